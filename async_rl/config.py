@@ -1,0 +1,230 @@
+"""One typed config tree for a run: a dataclass per component, composed in `Config`.
+
+Loaded from a YAML file in `configs/` and overridden from the command line with dotted
+keys (`trainer.lr=1e-5`). OmegaConf structured configs do the merging and the type
+checks; `load_config` turns every failure into a `ConfigError` whose message names the
+dotted key, so the command line can print one clear line. The top-level keys `mode`,
+`max_staleness`, `total_steps`, `run_dir` and `seed` are a frozen surface.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config file or override is missing, unknown, or ill-typed."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # "tiny" (built in-process), "smollm2-135m" (offline GGUF), or an HF checkpoint dir
+    dtype: str = "float32"  # float32 | bfloat16
+    # The tiny model and its character tokenizer (used when name == "tiny").
+    tiny_alphabet: str = "0123456789+= "  # characters of the tiny tokenizer, besides its special tokens
+    tiny_hidden: int = 64  # hidden size of the tiny model
+    tiny_layers: int = 2  # decoder layers of the tiny model
+    tiny_heads: int = 4  # attention heads of the tiny model
+    tiny_kv_heads: int = 2  # key/value heads of the tiny model
+    tiny_intermediate: int = 128  # MLP width of the tiny model
+    max_position: int = 512  # context length of the tiny model
+
+
+@dataclass
+class EngineConfig:
+    host: str = "127.0.0.1"  # address the generation server binds
+    port: int = 0  # 0 picks a free port
+    max_running: int = 64  # most sequences decoded together
+    max_tokens_per_step: int = 2048  # token budget of one engine step (prefill + decode)
+    kv_cache_mb: float = 256.0  # memory budget of the paged KV cache
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True  # reuse KV of shared prefixes (GRPO groups, turns)
+    num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
+    max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arith"  # task registered in async_rl.tasks
+    min_operand: int = 0  # smallest operand
+    max_operand: int = 4  # largest operand
+    ops: list[str] = field(default_factory=lambda: ["+"])  # operators to draw from
+    prompt_format: str = "raw"  # raw ("2+3=") | chat (a question through the chat template)
+    eval_size: int = 64  # held-out problems for greedy accuracy before/after training
+    eval_seed: int = 12345  # seed of the held-out set (disjoint stream from training)
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8  # n: samples per prompt (one GRPO group)
+    temperature: float = 1.0  # sampling temperature of training rollouts
+    top_p: float = 1.0  # nucleus sampling for training rollouts
+    top_k: int = -1  # top-k for training rollouts (-1 = off)
+    max_new_tokens: int = 8  # response length limit
+    agent: str = "single_turn"  # default agent loop (a sample may name its own)
+    max_concurrent: int = 64  # most requests in flight at once
+    server_addrs: list[str] = field(default_factory=list)  # generation servers; empty = start one
+    connect_timeout_s: float = 60.0  # how long to wait for servers and the trainer to answer
+    eval_max_new_tokens: int = 16  # response length limit of the greedy evaluation
+
+
+@dataclass
+class TrainerConfig:
+    batch_size: int = 32  # B: trajectories per train step (a multiple of rollout.group_size)
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max gradient norm (0 = off)
+    eps_clip: float = 0.2  # PPO clip range
+    behav_weight_cap: float = 5.0  # cap on the behaviour importance weight pi_prox / pi_behav
+    minibatches: int = 1  # optimizer steps per train step (each on 1/minibatches of the batch)
+    micro_batch_tokens: int = 4096  # token budget of one forward/backward
+    adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
+    checkpoint_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
+    num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
+
+
+@dataclass
+class TransportConfig:
+    addr: str = "tcp://127.0.0.1:0"  # trainer binds here, rollout connects (port 0 = free port, local run only)
+    capacity: int = 256  # trajectories the trainer buffers; a full buffer blocks producers
+    heartbeat_s: float = 2.0  # keep-alive interval between rollout and trainer
+    peer_timeout_s: float = 60.0  # a silent peer for this long is reported dead
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: str = "disk"  # disk (path travels, shared file system) | zmq (bytes travel over the queue)
+    keep_last: int = 2  # weight files kept on disk
+
+
+@dataclass
+class LogConfig:
+    level: str = "INFO"  # logging level
+    progress: bool = True  # progress bar on the console
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+
+
+@dataclass
+class Config:
+    mode: str = "async"  # async | sync (lock step: generate a batch, train, update, repeat)
+    max_staleness: int = 1  # eta: newest trainable token is at most this many versions behind
+    total_steps: int = 20  # train steps of the run
+    run_dir: str = "runs/debug"  # where metrics, config, weights and checkpoints go
+    seed: int = 0  # seed of everything random
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "mode": ("async", "sync"),
+    "model.dtype": ("float32", "bfloat16"),
+    "task.prompt_format": ("raw", "chat"),
+    "weight_sync.transport": ("disk", "zmq"),
+    "log.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> None:
+    """Check values the types alone cannot; raise ConfigError naming the key."""
+    for key, allowed in _CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}: must be one of {'|'.join(allowed)}, got {_get(cfg, key)!r}")
+    positive = ["total_steps", "rollout.group_size", "rollout.max_new_tokens", "rollout.max_concurrent",
+                "trainer.batch_size", "trainer.minibatches", "trainer.micro_batch_tokens",
+                "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",
+                "transport.capacity", "task.eval_size"]
+    for key in positive:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)!r}")
+    if cfg.max_staleness < 0:
+        raise ConfigError(f"max_staleness: must be >= 0, got {cfg.max_staleness}")
+    if cfg.trainer.batch_size % cfg.rollout.group_size:
+        raise ConfigError(
+            f"trainer.batch_size: must be a multiple of rollout.group_size ({cfg.rollout.group_size}), "
+            f"got {cfg.trainer.batch_size}")
+    if cfg.transport.capacity < cfg.rollout.group_size:
+        raise ConfigError(f"transport.capacity: must hold at least one group ({cfg.rollout.group_size}), "
+                          f"got {cfg.transport.capacity}")
+    if cfg.engine.kv_cache_mb <= 0:
+        raise ConfigError(f"engine.kv_cache_mb: must be > 0, got {cfg.engine.kv_cache_mb}")
+    if not 0 <= cfg.rollout.temperature <= 100:
+        raise ConfigError(f"rollout.temperature: must be in [0, 100], got {cfg.rollout.temperature}")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.task.min_operand > cfg.task.max_operand:
+        raise ConfigError("task.min_operand: must be <= task.max_operand")
+
+
+def _explain(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+    msg = str(exc).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
+        return f"{key}: unknown key"
+    return f"{key}: {msg}" if key else msg
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load `path` (YAML) over the defaults, apply `key=value` overrides, validate."""
+    base = OmegaConf.structured(Config)
+    try:
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file not found: {p}")
+            try:
+                loaded = OmegaConf.load(p)
+            except Exception as exc:  # YAML syntax errors come in many types
+                raise ConfigError(f"{p}: not valid YAML ({str(exc).splitlines()[0]})") from None
+            base = OmegaConf.merge(base, loaded)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r}: expected key=value")
+        if overrides:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        cfg: Config = OmegaConf.to_object(base)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config next to the run's outputs."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(cfg))
+    return out
+
+
+def config_from_yaml_text(text: str) -> Config:
+    """Rebuild a Config from `to_yaml` output (used to hand a config to a child process)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate(cfg)
+    return cfg

@@ -1,0 +1,50 @@
+"""The seams between components, as `typing.Protocol`s.
+
+Each protocol has more than one implementation, or will (see ROADMAP.md): the embedded
+engine's HTTP client and SGLang behind `GenerationClient`; the ZeroMQ queue behind
+`TrajectorySink`; disk and ZeroMQ weight transports behind `WeightPublisher`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from async_rl.types import GenerationOutput, SamplingParams, Trajectory
+
+
+@runtime_checkable
+class GenerationClient(Protocol):
+    """Token-in, token-out access to one generation server."""
+
+    address: str
+
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> GenerationOutput: ...
+
+    async def pause_generation(self) -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict[str, Any]: ...
+
+    async def abort_request(self, request_id: str) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def get_model_info(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class TrajectorySink(Protocol):
+    """Where finished trajectories go; `put_group` blocks while the consumer is full."""
+
+    async def put_group(self, trajectories: list[Trajectory]) -> None: ...
+
+
+class WeightPublisher(Protocol):
+    """Makes a trainer's weights of one version available to the rollout side."""
+
+    def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
+        """Write the weights; return the message that tells the rollout side where they are."""
+        ...
