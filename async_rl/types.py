@@ -121,6 +121,19 @@ class SamplingParams:
         return params
 
 
+# --------------------------------------------------------------------------- sample
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One task instance: what the agent loop is asked, and what it is scored against."""
+
+    id: str
+    prompt: str | None = None  # raw text prompt (no chat template)
+    messages: list[dict[str, Any]] | None = None  # chat prompt (goes through the chat template)
+    answer: str = ""  # reference answer for the verifiable reward
+    agent: str | None = None  # agent loop to run; None = the configured default
+    info: dict[str, Any] = field(default_factory=dict)
+
+
 # --------------------------------------------------------------------------- generation
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GenerationOutput:

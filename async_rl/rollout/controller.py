@@ -1,0 +1,176 @@
+"""The rollout controller: dataset -> agent loops -> trajectory queue, under the staleness gate.
+
+It owns the generation servers of its side. For each prompt it admits one group of `n`
+trajectories through the staleness gate, runs `n` agent loops concurrently on the
+least-loaded server, and pushes the finished group to the trainer. Control messages
+from the trainer drive weight updates (pause every server, load, continue, then open
+the gate one version further) and the end of the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+from async_rl.agent import build_agent_loop
+from async_rl.config import Config
+from async_rl.protocols import GenerationClient, TrajectorySink
+from async_rl.rollout.staleness import StalenessGate
+from async_rl.types import Sample, SamplingParams, new_id
+from async_rl.utils.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+
+class ServerPool:
+    """Picks the generation server with the fewest requests in flight."""
+
+    def __init__(self, clients: list[GenerationClient]):
+        if not clients:
+            raise ValueError("rollout.server_addrs: at least one generation server is needed")
+        self.clients = clients
+        self.in_flight = [0] * len(clients)
+
+    def acquire(self) -> int:
+        i = min(range(len(self.clients)), key=self.in_flight.__getitem__)
+        self.in_flight[i] += 1
+        return i
+
+    def release(self, i: int) -> None:
+        self.in_flight[i] -= 1
+
+    async def for_all(self, method: str, *args: Any) -> list[Any]:
+        return await asyncio.gather(*(getattr(c, method)(*args) for c in self.clients))
+
+
+class RolloutController:
+    def __init__(self, cfg: Config, clients: list[GenerationClient], sink: TrajectorySink,
+                 controls: AsyncIterator[dict[str, Any]], tokenizer: Any, task: Any,
+                 metrics: MetricsLogger | None = None):
+        self.cfg = cfg
+        self.pool = ServerPool(clients)
+        self.sink = sink
+        self.controls = controls
+        self.tokenizer = tokenizer
+        self.task = task
+        self.metrics = metrics
+        eta = 0 if cfg.mode == "sync" else cfg.max_staleness
+        self.gate = StalenessGate(cfg.trainer.batch_size, eta)
+        self.slots = asyncio.Semaphore(cfg.rollout.max_concurrent)
+        self.params = SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        self.final_version: int | None = None
+        self.groups_pushed = 0
+        self.trajectories_pushed = 0
+        self.interrupted = 0
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._t0 = time.perf_counter()
+
+    # ------------------------------------------------------------------ one group
+    async def _one(self, sample: Sample, group_id: str):
+        async with self.slots:
+            i = self.pool.acquire()
+            try:
+                agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, self.pool.clients[i],
+                                         self.tokenizer, self.task.reward)
+                return await agent.run(sample, self.params, group_id=group_id)
+            finally:
+                self.pool.release(i)
+
+    async def _group(self, sample: Sample) -> None:
+        group_id = new_id()
+        t0 = time.perf_counter()
+        trajs = await asyncio.gather(*(self._one(sample, group_id) for _ in range(self.cfg.rollout.group_size)))
+        for t in trajs:
+            t.timings["group_s"] = time.perf_counter() - t0
+        await self.sink.put_group(list(trajs))
+        self.groups_pushed += 1
+        self.trajectories_pushed += len(trajs)
+        self.interrupted += sum(1 for t in trajs if t.num_interruptions > 0)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("rollout group failed: %r", task.exception())
+            self._error = task.exception()
+            self._stop.set()
+
+    # ------------------------------------------------------------------ loops
+    async def _admit_loop(self, samples: Iterator[Sample]) -> None:
+        n = self.cfg.rollout.group_size
+        while not self._stop.is_set():
+            await self.gate.wait_admit(n)
+            if self._stop.is_set():
+                return
+            self._spawn(self._group(next(samples)))
+
+    async def apply_weights(self, path: str, version: int) -> None:
+        t0 = time.perf_counter()
+        await self.pool.for_all("pause_generation")
+        try:
+            await self.pool.for_all("update_weights_from_disk", path, version)
+        finally:
+            await self.pool.for_all("continue_generation")
+        self.gate.set_version(version)
+        stats = {"sync/update_s": time.perf_counter() - t0, "rollout/groups_pushed": self.groups_pushed,
+                 "rollout/trajectories_pushed": self.trajectories_pushed, "rollout/interrupted": self.interrupted,
+                 "rollout/in_flight": sum(self.pool.in_flight), **self.gate.stats()}
+        logger.info("loaded weights v%d in %.2fs", version, stats["sync/update_s"])
+        if self.metrics is not None:
+            self.metrics.log(stats, step=version)
+
+    async def _control_loop(self) -> None:
+        async for msg in self.controls:
+            kind = msg.get("kind")
+            if kind == "weights":
+                path = msg["path"]
+                if msg.get("blob") is not None:
+                    path = self._write_blob(msg["blob"], int(msg["version"]))
+                await self.apply_weights(path, int(msg["version"]))
+            elif kind == "stop":
+                self.final_version = int(msg.get("final_version", self.gate.version))
+                logger.info("trainer finished at version %s: stopping rollout", self.final_version)
+                self._stop.set()
+                return
+            else:
+                logger.warning("ignoring unknown control message kind %r", kind)
+        self._stop.set()
+
+    def _write_blob(self, blob: bytes, version: int) -> str:
+        out = Path(self.cfg.run_dir) / "weights" / f"weights_v{version:06d}.safetensors"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_bytes(blob)
+        tmp.replace(out)
+        for old in sorted(out.parent.glob("weights_v*.safetensors"))[:-self.cfg.weight_sync.keep_last]:
+            old.unlink(missing_ok=True)
+        return str(out)
+
+    async def run(self, seed: int) -> None:
+        """Produce groups until the trainer says stop (or the control channel closes)."""
+        self._error: BaseException | None = None
+        samples = self.task.train_samples(seed)
+        admit = asyncio.create_task(self._admit_loop(samples))
+        control = asyncio.create_task(self._control_loop())
+        await self._stop.wait()
+        admit.cancel()
+        control.cancel()
+        pending = list(self._tasks)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(admit, control, *pending, return_exceptions=True)
+        if pending:
+            logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
+        if self._error is not None:
+            raise self._error

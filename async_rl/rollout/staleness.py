@@ -1,0 +1,58 @@
+"""The staleness gate: admission control that bounds policy staleness.
+
+With train batch size B (trajectories) and trainer version v, at most (v + eta + 1) * B
+trajectories are ever admitted. Since the trainer consumes B per version, any admitted
+trajectory is trained at most eta versions after the version it started under; the
+trainer still drops (and counts) anything older as a second line of defence.
+eta = 0 is synchronous-equivalent on-policy training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class StalenessGate:
+    def __init__(self, batch_size: int, max_staleness: int, version: int = 0):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size: must be > 0, got {batch_size}")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.version = version
+        self.admitted = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def limit(self) -> int:
+        """Most trajectories that may have been admitted at the current version."""
+        return (self.version + self.max_staleness + 1) * self.batch_size
+
+    def can_admit(self, k: int) -> bool:
+        return self.admitted + k <= self.limit
+
+    def admit(self, k: int) -> None:
+        if not self.can_admit(k):
+            raise RuntimeError(f"staleness gate: admitting {k} would exceed {self.limit} at version {self.version}")
+        self.admitted += k
+
+    def set_version(self, version: int) -> None:
+        """The rollout side now samples with `version`; versions only move forward."""
+        if version > self.version:
+            self.version = version
+            self._changed.set()
+
+    async def wait_admit(self, k: int) -> None:
+        """Wait until `k` more trajectories fit under the bound, then admit them."""
+        if k > (self.max_staleness + 1) * self.batch_size:
+            raise ValueError(f"a unit of {k} trajectories can never fit under the staleness bound "
+                             f"(eta + 1) * B = {(self.max_staleness + 1) * self.batch_size}")
+        while not self.can_admit(k):
+            self._changed.clear()
+            await self._changed.wait()
+        self.admit(k)
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout/admitted": self.admitted, "rollout/gate_limit": self.limit,
+                "rollout/version": self.version}

@@ -1,0 +1,95 @@
+"""The `async-rl` command line.
+
+    async-rl run     --config C [key=value ...]   trainer + rollout + generation server, locally
+    async-rl train   --config C [key=value ...]   the trainer side alone (binds transport.addr)
+    async-rl rollout --config C [key=value ...]   the rollout side alone (connects to transport.addr)
+    async-rl serve   --config C [key=value ...]   one generation server alone
+
+Every failure the user can cause (missing config, unknown key, wrong type, unreachable
+address, a child process dying) ends as one `error: ...` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from async_rl.config import Config, load_config, save_config
+from async_rl.utils.logs import setup_logging
+
+logger = logging.getLogger("async_rl")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="async-rl", description="Asynchronous RL for language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in [("run", "trainer, rollout and a generation server as local processes"),
+                       ("train", "the trainer side alone"), ("rollout", "the rollout side alone"),
+                       ("serve", "one generation server alone")]:
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--config", "-c", required=True, help="YAML config file (see configs/)")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-5")
+    return parser
+
+
+def _check_standalone(cfg: Config, command: str) -> None:
+    if command in ("train", "rollout") and cfg.transport.addr.endswith(":0"):
+        raise ValueError(f"transport.addr: `async-rl {command}` needs a fixed address both sides agree on, "
+                         f"e.g. transport.addr=tcp://127.0.0.1:5555 (got {cfg.transport.addr})")
+
+
+def _dispatch(command: str, cfg: Config) -> int:
+    from launch import procs
+
+    if command == "run":
+        from launch.local import run_local
+
+        for line in run_local(cfg):
+            print(line, flush=True)
+        print(f"run directory: {cfg.run_dir}", flush=True)
+        return 0
+    _check_standalone(cfg, command)
+    save_config(cfg, Path(cfg.run_dir))
+    if command == "train":
+        from launch.trainer_proc import trainer_main as target
+    elif command == "rollout":
+        from launch.rollout_proc import rollout_main as target
+    else:
+        from launch.serve import serve_main as target
+    proc = procs.spawn(command if command != "serve" else "server", target, cfg)
+    try:
+        proc.join()
+    except KeyboardInterrupt:
+        procs.stop_all([proc])
+        raise
+    if proc.exitcode != 0:
+        raise RuntimeError(procs.child_error(cfg, proc.name, proc))
+    if command == "rollout":
+        from launch.local import summary
+
+        for line in summary(cfg):
+            print(line, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        setup_logging(cfg.log.level, cfg.run_dir, "launcher", console_level="WARNING")
+        return _dispatch(args.command, cfg)
+    except KeyboardInterrupt:
+        print("interrupted: all processes stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one line for the user; details are in the run's logs
+        from launch.procs import one_line
+
+        logger.debug("fatal", exc_info=True)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Child processes: start them, wait for them to be ready, and turn failures into one line.
+
+Every child runs `child_entry`, which sets up logging into the run directory and turns
+any exception into a single `error: ...` line (the traceback goes to the child's log
+file) plus an `<name>.error` file the parent reads to report why a child died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from async_rl.config import Config
+from async_rl.utils.logs import setup_logging
+from launch.common import error_file
+
+logger = logging.getLogger(__name__)
+_CTX = mp.get_context("spawn")
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def child_entry(name: str, target: Callable[..., None], cfg: Config, kwargs: dict) -> None:
+    """Body of every child process."""
+    setup_logging(cfg.log.level, cfg.run_dir, name, console_level="WARNING")
+    signal.signal(signal.SIGTERM, _interrupt)
+    err = error_file(cfg.run_dir, name)
+    err.unlink(missing_ok=True)
+    try:
+        target(cfg, **kwargs)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException as exc:  # report every failure as one line; the traceback goes to the log
+        logging.getLogger(name).error("fatal: %s\n%s", one_line(exc), traceback.format_exc())
+        err.write_text(one_line(exc))
+        sys.exit(2)
+
+
+def spawn(name: str, target: Callable[..., None], cfg: Config, **kwargs) -> mp.Process:
+    proc = _CTX.Process(target=child_entry, args=(name, target, cfg, kwargs), name=name, daemon=False)
+    proc.start()
+    return proc
+
+
+def child_error(cfg: Config, name: str, proc: mp.Process) -> str:
+    f = error_file(cfg.run_dir, name)
+    why = f.read_text().strip() if f.is_file() else f"exited with code {proc.exitcode}"
+    return f"{name}: {why} (log: {Path(cfg.run_dir) / 'logs' / (name + '.log')})"
+
+
+def stop_all(procs: list[mp.Process], grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2)
+
+
+def start_server(cfg: Config, timeout_s: float = 600.0) -> tuple[mp.Process, str]:
+    """Start an embedded generation server child; return it and its URL once it serves."""
+    from launch.serve import serve_main
+
+    ready = Path(cfg.run_dir) / "server_address"
+    ready.unlink(missing_ok=True)
+    proc = spawn("server", serve_main, cfg, ready_file=str(ready))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready.is_file() and ready.read_text().strip():
+            return proc, ready.read_text().strip()
+        if not proc.is_alive():
+            raise RuntimeError(child_error(cfg, "server", proc))
+        time.sleep(0.1)
+    stop_all([proc])
+    raise RuntimeError(f"generation server did not start within {timeout_s:.0f}s")
+
+
+def with_overrides(cfg: Config, **changes) -> Config:
+    """A copy of `cfg` with dotted-free top-level or nested changes: with_overrides(cfg, rollout={...})."""
+    out = cfg
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            out = dataclasses.replace(out, **{key: dataclasses.replace(getattr(out, key), **value)})
+        else:
+            out = dataclasses.replace(out, **{key: value})
+    return out

@@ -1,0 +1,96 @@
+"""The trainer process: queue -> PPO step -> publish weights -> metrics, for `total_steps` steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from async_rl.config import Config
+from async_rl.models import load_model
+from async_rl.trainer.checkpoint import save_checkpoint
+from async_rl.trainer.trainer import PPOTrainer
+from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
+from async_rl.utils.metrics import MetricsLogger
+from async_rl.weight_sync.disk import DiskWeightPublisher, ZmqWeightPayload
+from launch.common import effective_threads
+
+logger = logging.getLogger(__name__)
+
+
+class PeerLostError(RuntimeError):
+    """No rollout producer has been heard from for too long."""
+
+
+def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
+    """Block until a train batch is buffered; fail clearly if every producer went away."""
+    silent_since: float | None = None
+    while True:
+        try:
+            return queue.get_groups(cfg.trainer.batch_size, timeout=cfg.transport.heartbeat_s)
+        except QueueTimeout:
+            live = queue.stats().get("queue/producers", 0)
+            if live:
+                silent_since = None
+                continue
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since > cfg.transport.peer_timeout_s:
+                raise PeerLostError(
+                    f"no rollout producer connected to {queue.address} for {cfg.transport.peer_timeout_s:.0f}s "
+                    "(is `async-rl rollout` running and pointed at this address?)") from None
+
+
+def _wait_producers_gone(queue: TrajectoryQueueServer, timeout: float) -> None:
+    """After `stop`, give producers time to run their final evaluation and say goodbye."""
+    deadline = time.monotonic() + timeout
+    while queue.stats().get("queue/producers", 0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def trainer_main(cfg: Config) -> None:
+    torch.set_num_threads(effective_threads(cfg.trainer.num_threads, cfg.mode))
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(cfg.run_dir)
+    model = load_model(cfg.model, seed=cfg.seed)
+    trainer = PPOTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature,
+                         max_staleness=0 if cfg.mode == "sync" else cfg.max_staleness, seed=cfg.seed)
+    publisher = DiskWeightPublisher(str(run_dir / "weights"), keep_last=cfg.weight_sync.keep_last)
+    metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
+    queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
+                                  heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s)
+    logger.info("trainer queue listening on %s", queue.address)
+    (run_dir / "trainer_address").write_text(queue.address)
+    bar = tqdm(total=cfg.total_steps, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress, dynamic_ncols=True)
+    try:
+        for step in range(cfg.total_steps):
+            t0 = time.perf_counter()
+            groups = _wait_batch(queue, cfg)
+            wait_s = time.perf_counter() - t0
+            stats = trainer.train_step(groups)
+            t1 = time.perf_counter()
+            msg = publisher.publish(trainer.state_dict(), trainer.policy_version)
+            if cfg.weight_sync.transport == "zmq":
+                msg["blob"] = ZmqWeightPayload.to_bytes(msg["path"])
+            queue.broadcast(msg)
+            stats.update(queue.stats())
+            stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
+                          "timing/publish_s": time.perf_counter() - t1, "timing/step_s": time.perf_counter() - t0})
+            metrics.log(stats, step=step)
+            bar.set_postfix(reward=f"{stats.get('train/reward_mean', float('nan')):.3f}",
+                            v=trainer.policy_version, refresh=False)
+            bar.update(1)
+            every = cfg.trainer.checkpoint_every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.total_steps:
+                save_checkpoint(str(run_dir / "checkpoints" / f"step_{step + 1:06d}"), model, trainer.optimizer,
+                                step + 1, {"policy_version": trainer.policy_version})
+        save_checkpoint(str(run_dir / "checkpoints" / f"step_{cfg.total_steps:06d}"), model, trainer.optimizer,
+                        cfg.total_steps, {"policy_version": trainer.policy_version})
+        queue.broadcast({"kind": "stop", "final_version": trainer.policy_version})
+        _wait_producers_gone(queue, timeout=cfg.rollout.connect_timeout_s + 120)
+    finally:
+        bar.close()
+        metrics.close()
+        queue.close()

@@ -1,0 +1,43 @@
+"""Arithmetic task and its exact-answer reward."""
+
+import pytest
+
+from async_rl.config import TaskConfig
+from async_rl.rewards.math import exact_number_reward, last_number
+from async_rl.tasks import build_task
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("23 + 45 = 78", "78"), ("The answer is 1,024.", "1024"), ("no digits", None), ("-3", "-3"), ("7", "7"),
+])
+def test_last_number(text, expected):
+    assert last_number(text) == expected
+
+
+def test_reward_uses_last_number():
+    assert exact_number_reward("23 + 45 = 68", "68") == 1.0
+    assert exact_number_reward("23 + 45 = 69", "68") == 0.0
+    assert exact_number_reward("", "1") == 0.0
+
+
+def test_task_samples_are_deterministic_and_correct():
+    task = build_task(TaskConfig(min_operand=0, max_operand=9, prompt_format="raw"))
+    a = [s for s, _ in zip(task.train_samples(1), range(20))]
+    b = [s for s, _ in zip(task.train_samples(1), range(20))]
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    for s in a:
+        x, y = s.prompt.rstrip("=").split("+")
+        assert int(s.answer) == int(x) + int(y)
+        assert task.reward(s, s.answer) == 1.0
+    held_out = task.eval_samples()
+    assert held_out == task.eval_samples() and len(held_out) == 64
+
+
+def test_chat_format_and_bad_task():
+    task = build_task(TaskConfig(prompt_format="chat"))
+    s = task.eval_samples()[0]
+    assert s.messages[0]["role"] == "user" and "Answer with just the number" in s.messages[0]["content"]
+    with pytest.raises(ValueError, match="task.name"):
+        build_task(TaskConfig(name="chess"))
+    with pytest.raises(ValueError, match="task.ops"):
+        build_task(TaskConfig(ops=["^"]))
