@@ -1,0 +1,50 @@
+"""Imports go one way (STYLE.md): a small AST walk fails on an upward or sideways import."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {"types", "config", "protocols", "models", "utils"}
+ALLOWED = {
+    "types": set(), "config": set(), "protocols": {"types"}, "models": {"config"}, "utils": set(),
+    "rewards": {"types"},
+    "tasks": {"types", "config", "rewards"},
+    "transport": BASE,
+    "engine": BASE,
+    "agent": BASE | {"rewards"},
+    "rollout": BASE | {"agent", "transport", "engine", "rewards", "tasks"},
+    "trainer": BASE,
+    "weight_sync": BASE,
+}
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "launch":
+                found.add("launch")
+            elif parts[0] == "async_rl" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def test_layers():
+    problems = []
+    for path in sorted((ROOT / "async_rl").rglob("*.py")):
+        rel = path.relative_to(ROOT / "async_rl")
+        layer = rel.parts[0].removesuffix(".py")
+        if layer == "__init__":
+            continue
+        allowed = ALLOWED.get(layer)
+        assert allowed is not None, f"{rel}: new top-level module {layer!r}: add it to ALLOWED with its layer"
+        for imp in _imports(path) - {layer}:
+            if imp not in allowed:
+                problems.append(f"{rel} imports async_rl.{imp}" if imp != "launch" else f"{rel} imports launch")
+    assert not problems, "upward imports:\n" + "\n".join(problems)
