@@ -1,0 +1,270 @@
+"""The forward pass of a Llama-architecture model over the paged KV cache.
+
+Reads the weights of a Hugging Face `LlamaForCausalLM` (or Qwen2/Mistral-style
+variant with q/k/v biases) straight from its modules on every step, so weights loaded
+into the module (`update_weights`, `load_state_dict`) are what the next step computes
+with. All tokens of a step, prefill chunks and decodes of different sequences alike,
+form one flat [N, hidden] batch for embedding, projections, norms and MLP. Attention
+runs per layer: the step's new K/V are written into the paged pool first, then
+  - decoding sequences (one query each) attend together over their KV gathered
+    block-wise into one padded batch (query heads folded per KV head, so GQA needs
+    no repeat of K/V);
+  - each prefill chunk attends on its own (plain causal attention when nothing is
+    cached before it, otherwise over its gathered KV with an offset causal mask).
+The index tensors of the gather and the masks are built once per step, not per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from async_rl.engine.scheduler import ScheduledChunk
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a Llama-architecture causal LM this engine can run."""
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # older transformers keep theta and scaling apart
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return dict(params)
+
+
+def check_architecture(model: torch.nn.Module) -> None:
+    """Raise UnsupportedModelError naming what this engine cannot run."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not hasattr(model, "lm_head") \
+            or not hasattr(getattr(model, "model", None), "layers"):
+        raise UnsupportedModelError(
+            f"model: {type(model).__name__} (model_type={model_type!r}) is not supported; the engine runs "
+            f"Llama-architecture causal LMs ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"model.config.hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise UnsupportedModelError("model.config.sliding_window: sliding-window attention is not supported")
+    rope = _rope_parameters(config)
+    if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"model.config.rope_parameters.rope_type: {rope.get('rope_type')!r} is not supported "
+            f"(supported: {', '.join(STATIC_ROPE_TYPES)})")
+    if "rope_theta" not in rope:
+        raise UnsupportedModelError("model.config.rope_parameters.rope_theta: missing")
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Single-query sequences of similar context length, attended together over padded gathered KV."""
+
+    rows: torch.Tensor  # [B] rows of the flat batch
+    blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
+    bias: torch.Tensor  # [B, 1, nb * block_size] 0 where a key exists, -inf on padding
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Everything the forward needs for one step, built once: flat tokens and attention layout."""
+
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    slots: torch.Tensor  # [N] int64, flat KV slot of each token (block * block_size + offset)
+    logit_rows: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
+    decodes: list[DecodeGroup]
+    prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]  # (row0, n, blocks, mask)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int):
+        check_architecture(model)
+        self.model = model
+        cfg = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.group = self.num_heads // self.num_kv_heads
+        self.eps = cfg.rms_norm_eps
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.scale = self.head_dim ** -0.5
+        self._build_rope(cfg)
+        # [layers, 2 (K, V), kv_heads, blocks, block_size, head_dim]: gathering blocks for a batch of
+        # sequences yields [kv_heads, B, L, head_dim] directly, the layout the attention matmuls want
+        self.kv = torch.zeros(self.num_layers, 2, self.num_kv_heads, num_blocks, block_size, self.head_dim,
+                              dtype=self.dtype, device=self.device)
+
+    @staticmethod
+    def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        itemsize = next(model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * kv_heads * head_dim * itemsize
+
+    def _build_rope(self, cfg) -> None:
+        rope = _rope_parameters(cfg)
+        rotary = getattr(self.model.model, "rotary_emb", None)
+        inv_freq = getattr(rotary, "inv_freq", None)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        expected = 1.0 / (rope["rope_theta"] ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+        if inv_freq is None:
+            if rope.get("rope_type", "default") != "default":
+                raise UnsupportedModelError("model.model.rotary_emb: missing, needed for scaled rope types")
+            inv_freq = expected
+        elif rope.get("rope_type", "default") == "default" and \
+                not torch.allclose(inv_freq.float().cpu(), expected, rtol=1e-2):  # the buffer may be bf16
+            raise UnsupportedModelError(
+                f"model.config.rope_parameters.rope_theta={rope['rope_theta']}: does not match the model's "
+                "rotary inv_freq buffer")
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq.float().cpu()[None, :]  # [C, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(self.dtype).to(self.device)  # [C, D]
+        self.sin = (emb.sin() * scaling).to(self.dtype).to(self.device)
+
+    # ------------------------------------------------------------------ step layout
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        decodes: list[tuple[int, list[int], int]] = []  # (row, block table, context length)
+        prefills = []
+        for c in chunks:
+            row0 = len(ids)
+            table = c.seq.block_table
+            ids.extend(c.seq.token_ids[c.start:c.start + c.length])
+            pos = range(c.start, c.start + c.length)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if c.samples:
+                logit_rows.append(row0 + c.length - 1)
+            ctx = c.start + c.length
+            if c.length == 1:
+                decodes.append((row0, table[:-(-ctx // bs)], ctx))
+            elif c.start == 0:
+                prefills.append((row0, c.length, None, None))
+            else:
+                blocks = torch.tensor(table[:-(-ctx // bs)], device=dev)
+                q_pos = torch.arange(c.start, ctx, device=dev)[:, None]
+                mask = torch.arange(len(blocks) * bs, device=dev)[None, :] <= q_pos  # [n, L]
+                prefills.append((row0, c.length, blocks, mask))
+        return StepBatch(
+            input_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
+            slots=torch.tensor(slots, device=dev), logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
+            decodes=self._decode_groups(decodes), prefills=prefills)
+
+    def _decode_groups(self, decodes: list[tuple[int, list[int], int]]) -> list[DecodeGroup]:
+        """Bucket decoding sequences by length so that padding at most doubles a bucket's gathered KV."""
+        bs, dev = self.block_size, self.device
+        groups: list[list[tuple[int, list[int], int]]] = []
+        for d in sorted(decodes, key=lambda d: len(d[1])):
+            if groups and len(d[1]) <= 2 * len(groups[-1][0][1]) + 1:
+                groups[-1].append(d)
+            else:
+                groups.append([d])
+        out = []
+        for group in groups:
+            width = len(group[-1][1])
+            tables = torch.tensor([t + [0] * (width - len(t)) for _, t, _ in group], device=dev)
+            lens = torch.tensor([n for _, _, n in group], device=dev)
+            keep = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [B, L]
+            bias = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
+            out.append(DecodeGroup(torch.tensor([r for r, _, _ in group], device=dev), tables, bias[:, None, :]))
+        return out
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Compute the chunks' KV into the cache; return float32 logits [S, V] of the sampling rows."""
+        batch = self.prepare(chunks)
+        inner = self.model.model
+        x = F.embedding(batch.input_ids, inner.embed_tokens.weight)  # [N, hidden]
+        cos = self.cos[batch.positions][:, None, :]  # [N, 1, D]
+        sin = self.sin[batch.positions][:, None, :]
+        for li, layer in enumerate(inner.layers):
+            x = x + self._attention(li, layer.self_attn, self._rms_norm(x, layer.input_layernorm), cos, sin, batch)
+            x = x + self._mlp(layer.mlp, self._rms_norm(x, layer.post_attention_layernorm))
+        if len(batch.logit_rows) == 0:
+            return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
+        h = self._rms_norm(x[batch.logit_rows], inner.norm)
+        return F.linear(h, self.model.lm_head.weight, getattr(self.model.lm_head, "bias", None)).float()
+
+    def _rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return norm.weight * xf.to(x.dtype)
+
+    @staticmethod
+    def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+        return F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _attention(self, li: int, attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   batch: StepBatch) -> torch.Tensor:
+        n = h.shape[0]
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, self.num_heads, self.head_dim)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, self.num_kv_heads, self.head_dim)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, self.num_kv_heads, self.head_dim)
+        q = self._rotate(q, cos, sin)
+        k = self._rotate(k, cos, sin)
+        kvh, d = self.num_kv_heads, self.head_dim
+        k_cache, v_cache = self.kv[li, 0], self.kv[li, 1]  # [kvH, blocks, block_size, D]
+        k_cache.view(kvh, -1, d).index_copy_(1, batch.slots, k.transpose(0, 1))
+        v_cache.view(kvh, -1, d).index_copy_(1, batch.slots, v.transpose(0, 1))
+        out = torch.empty_like(q)  # [N, H, D]
+        for group in batch.decodes:
+            out[group.rows] = self._decode_attention(k_cache, v_cache, q[group.rows], group)
+        for row0, length, blocks, mask in batch.prefills:
+            rows = slice(row0, row0 + length)
+            if blocks is None:
+                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kvH, n, D]
+            else:
+                keys = k_cache[:, blocks].flatten(1, 2)  # [kvH, L, D]
+                values = v_cache[:, blocks].flatten(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], keys[None], values[None],
+                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1)
+            out[rows] = o[0].transpose(0, 1)
+        o_proj = attn.o_proj
+        return F.linear(out.view(n, -1), o_proj.weight, o_proj.bias)
+
+    def _decode_attention(self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
+                          group: DecodeGroup) -> torch.Tensor:
+        """q: [B, H, D], one query per sequence. Query heads are folded per KV head, so GQA repeats nothing."""
+        b = q.shape[0]
+        keys = k_cache[:, group.blocks].flatten(2, 3)  # [kvH, B, L, D]
+        values = v_cache[:, group.blocks].flatten(2, 3)
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)  # [kvH, B, G, D]
+        scores = torch.baddbmm(group.bias.expand(-1, self.group, -1).repeat(self.num_kv_heads, 1, 1),
+                               qg.reshape(-1, self.group, self.head_dim),
+                               keys.view(-1, keys.shape[2], self.head_dim).transpose(1, 2),
+                               alpha=self.scale)  # [kvH * B, G, L]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.bmm(probs, values.view(-1, values.shape[2], self.head_dim))  # [kvH * B, G, D]
+        return o.view(self.num_kv_heads, b, self.group, self.head_dim).transpose(0, 1).reshape(
+            b, self.num_heads, self.head_dim)
