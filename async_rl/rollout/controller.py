@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from async_rl.agent import build_agent_loop
@@ -50,7 +49,8 @@ class ServerPool:
 class RolloutController:
     def __init__(self, cfg: Config, clients: list[GenerationClient], sink: TrajectorySink,
                  controls: AsyncIterator[dict[str, Any]], tokenizer: Any, task: Any,
-                 metrics: MetricsLogger | None = None):
+                 metrics: MetricsLogger | None = None,
+                 weights_path: Callable[[dict[str, Any]], str] = lambda msg: msg["path"]):
         self.cfg = cfg
         self.pool = ServerPool(clients)
         self.sink = sink
@@ -58,6 +58,7 @@ class RolloutController:
         self.tokenizer = tokenizer
         self.task = task
         self.metrics = metrics
+        self.weights_path = weights_path  # where a "weights" control message's file is (or is written to)
         eta = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.gate = StalenessGate(cfg.trainer.batch_size, eta)
         self.slots = asyncio.Semaphore(cfg.rollout.max_concurrent)
@@ -134,10 +135,7 @@ class RolloutController:
         async for msg in self.controls:
             kind = msg.get("kind")
             if kind == "weights":
-                path = msg["path"]
-                if msg.get("blob") is not None:
-                    path = self._write_blob(msg["blob"], int(msg["version"]))
-                await self.apply_weights(path, int(msg["version"]))
+                await self.apply_weights(self.weights_path(msg), int(msg["version"]))
             elif kind == "stop":
                 self.final_version = int(msg.get("final_version", self.gate.version))
                 logger.info("trainer finished at version %s: stopping rollout", self.final_version)
@@ -146,16 +144,6 @@ class RolloutController:
             else:
                 logger.warning("ignoring unknown control message kind %r", kind)
         self._stop.set()
-
-    def _write_blob(self, blob: bytes, version: int) -> str:
-        out = Path(self.cfg.run_dir) / "weights" / f"weights_v{version:06d}.safetensors"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(blob)
-        tmp.replace(out)
-        for old in sorted(out.parent.glob("weights_v*.safetensors"))[:-self.cfg.weight_sync.keep_last]:
-            old.unlink(missing_ok=True)
-        return str(out)
 
     async def run(self, seed: int) -> None:
         """Produce groups until the trainer says stop (or the control channel closes)."""
