@@ -44,7 +44,11 @@ def child_entry(name: str, target: Callable[..., None], cfg: Config, kwargs: dic
         target(cfg, **kwargs)
     except KeyboardInterrupt:
         sys.exit(130)
-    except BaseException as exc:  # report every failure as one line; the traceback goes to the log
+    except BaseException as exc:  # report every failure as one line; the traceback goes to the log file
+        root = logging.getLogger()
+        for h in list(root.handlers):
+            if not isinstance(h, logging.FileHandler):
+                root.removeHandler(h)
         logging.getLogger(name).error("fatal: %s\n%s", one_line(exc), traceback.format_exc())
         err.write_text(one_line(exc))
         sys.exit(2)

@@ -30,7 +30,7 @@ from async_rl.engine.block_manager import BlockManager
 from async_rl.engine.model_runner import ModelRunner
 from async_rl.engine.sampler import Sampler
 from async_rl.engine.scheduler import ScheduledChunk, Scheduler
-from async_rl.engine.sequence import Sequence, SequenceStatus
+from async_rl.engine.sequence import Sequence
 from async_rl.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)

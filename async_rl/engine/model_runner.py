@@ -56,6 +56,9 @@ def check_architecture(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(f"model.config.hidden_act: only 'silu' is supported, got {config.hidden_act!r}")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise UnsupportedModelError("model.config.sliding_window: sliding-window attention is not supported")
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise UnsupportedModelError(f"model.config.layer_types: only full attention is supported, got {sorted(layer_types)}")
     rope = _rope_parameters(config)
     if rope.get("rope_type", "default") not in STATIC_ROPE_TYPES:
         raise UnsupportedModelError(
@@ -71,7 +74,7 @@ class DecodeGroup:
 
     rows: torch.Tensor  # [B] rows of the flat batch
     blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
-    bias: torch.Tensor  # [B, 1, nb * block_size] 0 where a key exists, -inf on padding
+    bias: torch.Tensor  # [kvH * B, G, nb * block_size] 0 where a key exists, -inf on padding
 
 
 @dataclass(slots=True)
@@ -187,7 +190,8 @@ class ModelRunner:
             lens = torch.tensor([n for _, _, n in group], device=dev)
             keep = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [B, L]
             bias = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
-            out.append(DecodeGroup(torch.tensor([r for r, _, _ in group], device=dev), tables, bias[:, None, :]))
+            bias = bias[:, None, :].expand(-1, self.group, -1).repeat(self.num_kv_heads, 1, 1)
+            out.append(DecodeGroup(torch.tensor([r for r, _, _ in group], device=dev), tables, bias))
         return out
 
     # ------------------------------------------------------------------ forward
@@ -260,7 +264,7 @@ class ModelRunner:
         keys = k_cache[:, group.blocks].flatten(2, 3)  # [kvH, B, L, D]
         values = v_cache[:, group.blocks].flatten(2, 3)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)  # [kvH, B, G, D]
-        scores = torch.baddbmm(group.bias.expand(-1, self.group, -1).repeat(self.num_kv_heads, 1, 1),
+        scores = torch.baddbmm(group.bias,
                                qg.reshape(-1, self.group, self.head_dim),
                                keys.view(-1, keys.shape[2], self.head_dim).transpose(1, 2),
                                alpha=self.scale)  # [kvH * B, G, L]

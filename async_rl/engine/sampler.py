@@ -41,17 +41,21 @@ class Sampler:
         scaled = logits
         if any(t != 1.0 for t in inv_t):
             scaled = logits * torch.tensor(inv_t, dtype=logits.dtype, device=logits.device)[:, None]  # [S, V]
-        lse = torch.logsumexp(scaled, dim=-1)  # [S]
-        tokens = scaled.argmax(dim=-1)  # [S]
+        top_logit, tokens = scaled.max(dim=-1)  # [S]: greedy rows keep the argmax
+        weights = torch.exp(scaled - top_logit[:, None])  # [S, V] unnormalised probabilities
+        lse = top_logit + weights.sum(dim=-1).log()  # log-normaliser of every row
         sampled_rows = [i for i in range(rows) if not greedy[i]]
         if sampled_rows:
-            idx = torch.tensor(sampled_rows, device=logits.device)
-            probs = torch.exp(scaled[idx] - lse[idx, None])  # [R, V]
-            probs = self._truncate(probs, [params[i] for i in sampled_rows], vocab)
-            cdf = probs.cumsum_(dim=-1)
+            idx = torch.tensor(sampled_rows, device=logits.device) if len(sampled_rows) < rows else None
+            w = weights if idx is None else weights[idx]  # [R, V]
+            w = self._truncate(w, [params[i] for i in sampled_rows], vocab)
+            cdf = w.cumsum_(dim=-1)
             u = self._uniforms([generators[i] for i in sampled_rows]) * cdf[:, -1]
             drawn = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=vocab - 1)
-            tokens[idx] = drawn
+            if idx is None:
+                tokens = drawn
+            else:
+                tokens[idx] = drawn
         chosen = scaled.gather(1, tokens[:, None])[:, 0] - lse
         top: list[list[tuple[int, float]] | None] = [None] * rows
         k = max(p.top_logprobs for p in params)
@@ -73,7 +77,7 @@ class Sampler:
 
     @staticmethod
     def _truncate(probs: torch.Tensor, params: list[SamplingParams], vocab: int) -> torch.Tensor:
-        """Zero the probabilities outside each row's top-k / top-p set (not renormalised). [R, V]"""
+        """Zero the (unnormalised) probabilities outside each row's top-k / top-p set. [R, V]"""
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):

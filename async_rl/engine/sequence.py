@@ -71,11 +71,6 @@ class Sequence:
     def num_output(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
-    @property
-    def started(self) -> bool:
-        """Has this request been computed at least once (so a weight update interrupts it)?"""
-        return self.admitted_once
-
     def reset_kv(self) -> None:
         """Forget the KV state (the caller frees the blocks); the next chunks recompute it."""
         self.recompute_left = max(self.recompute_left, self.num_computed)

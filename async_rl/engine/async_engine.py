@@ -1,0 +1,384 @@
+"""The asyncio face of the engine: one background thread runs the `LLMEngine` step loop.
+
+    engine = AsyncEngine(LLMEngine(model, EngineConfig(), tokenizer=tok, eos_token_ids=[2])).start()
+    out = await engine.generate("r0", prompt_ids, SamplingParams(max_new_tokens=16))
+    async for delta in engine.generate_stream("r1", prompt_ids, params): ...
+    await engine.pause(); await engine.update_weights_from_disk("w.safetensors", 1); await engine.resume()
+
+Every call into `LLMEngine` happens on the loop thread. asyncio callers post commands
+(closures) to it and await futures; commands run between steps, so `pause()` returns
+once the loop has stopped at a step boundary (requests in flight stay in flight), and a
+weight update lands at a step boundary whether or not generation is paused. An idle or
+paused loop sleeps on an event; it never spins.
+
+An abort finishes the request at once from what the caller has already received (the
+engine's own abort report, which comes with its next step, is then dropped), so aborts
+also answer while generation is paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from async_rl.engine.llm_engine import LLMEngine, StepOutput
+from async_rl.types import GenerationOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is not running (never started, shut down, or crashed)."""
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state_dict from one .safetensors file, or from every .safetensors file in a directory."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"model_path: no .safetensors file in directory {str(p)!r}")
+    elif p.is_file():
+        files = [p]
+    else:
+        raise FileNotFoundError(f"model_path: {str(p)!r} does not exist")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+class _Stream:
+    """Loop-thread record of one request: where its deltas go and what it has produced so far."""
+
+    __slots__ = ("loop", "queue", "prompt_len", "output_ids", "logprobs", "versions", "top", "updates_at_start")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, prompt_len: int, top: bool,
+                 updates: int):
+        self.loop, self.queue, self.prompt_len = loop, q, prompt_len
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.top: list[list[tuple[int, float]]] | None = [] if top else None
+        self.updates_at_start = updates
+
+    def record(self, out: StepOutput, version: int) -> None:
+        self.output_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.versions += [version] * len(out.new_token_ids)
+        if self.top is not None and out.new_top_logprobs is not None:
+            self.top += out.new_top_logprobs
+
+    def aborted(self, request_id: str, updates_now: int) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=request_id, prompt_len=self.prompt_len, output_ids=list(self.output_ids),
+            output_logprobs=list(self.logprobs), output_versions=list(self.versions), finish_reason="abort",
+            num_interruptions=updates_now - self.updates_at_start,
+            output_top_logprobs=None if self.top is None else list(self.top))
+
+
+class RequestHandle:
+    """One submitted request. Async-iterate it for `StepOutput` deltas (the last has `finished`
+    and `output`); `output_ids`/`logprobs`/`versions` accumulate as deltas are consumed.
+    `aclose()` aborts the request if it has not finished."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, prompt_len: int):
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []  # policy version that sampled each token
+        self.output: GenerationOutput | None = None
+        self._engine = engine
+        self._queue: asyncio.Queue[tuple[StepOutput, int]] = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.output is not None:
+            raise StopAsyncIteration
+        out, version = await self._queue.get()
+        self.output_ids += out.new_token_ids
+        self.logprobs += out.new_logprobs
+        self.versions += [version] * len(out.new_token_ids)
+        if out.finished:
+            self.output = out.output
+        return out
+
+    async def wait(self) -> GenerationOutput:
+        """Consume the remaining deltas and return the finished output."""
+        async for _ in self:
+            pass
+        assert self.output is not None
+        return self.output
+
+    async def aclose(self) -> None:
+        if self.output is None:
+            self._engine._post(lambda: self._engine._abort(self.request_id))
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.weight_version = engine.policy_version
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future | None, loop | None)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._paused = False
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._stale_aborts: Counter[str] = Counter()  # early-finished aborts whose engine report is still due
+        self._counts = Counter({"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "weight_updates": 0,
+                                "step_errors": 0})
+        self._snapshot: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests still in flight finish with finish_reason "abort"."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def max_new_tokens_limit(self) -> int:
+        return self.engine.config.max_new_tokens_limit
+
+    # ------------------------------------------------------------------ loop thread
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                if self._stop.is_set():
+                    break
+                if self._paused or not self.engine.has_unfinished():
+                    self._refresh_stats()
+                    self._wake.wait(1.0)
+                    self._wake.clear()  # commands posted after this set it again
+                    continue
+                self._step()
+        except BaseException:
+            logger.exception("engine loop crashed")
+            raise
+        finally:
+            self._stop.set()
+            for rid in list(self._streams):
+                self._abort(rid)
+            self._run_commands(fail=EngineStoppedError("the engine is shut down"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # one bad step must not kill the server: fail the requests in flight
+            logger.exception("engine step failed; aborting %d requests in flight", len(self._streams))
+            self._counts["step_errors"] += 1
+            for rid in list(self._streams):
+                self._abort(rid)
+            return
+        self._counts["steps"] += 1
+        version = self.engine.policy_version
+        for out in outputs:
+            self._deliver(out, version)
+        self._refresh_stats()
+
+    def _run_commands(self, fail: BaseException | None = None) -> None:
+        while True:
+            try:
+                fn, fut, loop = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fail is not None:
+                if fut is not None:
+                    _post_to(loop, _set_exception, fut, fail)
+                continue
+            try:
+                result = fn()
+            except Exception as exc:
+                if fut is None:
+                    logger.exception("engine command failed")
+                else:
+                    _post_to(loop, _set_exception, fut, exc)
+            else:
+                if fut is not None:
+                    _post_to(loop, _set_result, fut, result)
+
+    def _deliver(self, out: StepOutput, version: int) -> None:
+        rid = out.request_id
+        if out.finished and self._stale_aborts[rid] and out.output.finish_reason == "abort":
+            self._stale_aborts[rid] -= 1  # already finished for the caller by _abort
+            if not self._stale_aborts[rid]:
+                del self._stale_aborts[rid]
+            return
+        stream = self._streams.get(rid)
+        if stream is None:
+            return
+        stream.record(out, version)
+        if out.finished:
+            del self._streams[rid]
+            self._counts["aborted" if out.output.finish_reason == "abort" else "finished"] += 1
+        _post_to(stream.loop, stream.queue.put_nowait, (out, version))
+
+    def _abort(self, request_id: str) -> bool:
+        """Loop thread: abort in the engine and finish the caller's stream now."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        if self.engine.abort_request(request_id):
+            self._stale_aborts[request_id] += 1
+        self._counts["aborted"] += 1
+        output = stream.aborted(request_id, self._counts["weight_updates"])
+        final = StepOutput(request_id, [], [], None, True, output)
+        _post_to(stream.loop, stream.queue.put_nowait, (final, self.weight_version))
+        return True
+
+    def _refresh_stats(self) -> None:
+        self._snapshot = self.engine.stats()
+
+    # ------------------------------------------------------------------ posting commands
+    def _post(self, fn: Callable[[], Any], fut: asyncio.Future | None = None,
+              loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._commands.put((fn, fut, loop))
+        self._wake.set()
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        if not self.alive:
+            raise EngineStoppedError("the engine loop is not running (not started, shut down, or crashed)")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post(fn, fut, loop)
+        return await fut
+
+    # ------------------------------------------------------------------ requests
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Add a request; raises EngineInputError (naming the field) if the engine refuses it.
+        Accepted while paused: the request then waits for `resume()`."""
+        loop = asyncio.get_running_loop()
+        prompt = list(prompt_ids)
+        handle = RequestHandle(self, request_id, len(prompt))
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params)
+            self._streams[request_id] = _Stream(loop, handle._queue, len(prompt), params.top_logprobs > 0,
+                                                self._counts["weight_updates"])
+            self._counts["requests"] += 1
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:  # the add may still run: make sure nobody waits on it
+            self._post(lambda: self._abort(request_id))
+            raise
+        return handle
+
+    async def generate_stream(self, request_id: str, prompt_ids: list[int],
+                              params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Deltas of one request as they are sampled; the last one has `finished` and `output`.
+        Leaving the iteration early aborts the request."""
+        handle = await self.submit(request_id, prompt_ids, params)
+        try:
+            async for out in handle:
+                yield out
+        finally:
+            await handle.aclose()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        handle = await self.submit(request_id, prompt_ids, params)
+        try:
+            return await handle.wait()
+        finally:
+            await handle.aclose()
+
+    async def abort(self, request_id: str) -> bool:
+        """Finish a request with finish_reason "abort"; False if it is not in flight."""
+        return await self._call(lambda: self._abort(request_id))
+
+    async def abort_all(self) -> int:
+        return await self._call(lambda: sum(self._abort(rid) for rid in list(self._streams)))
+
+    # ------------------------------------------------------------------ control
+    async def pause(self) -> None:
+        """Return once the loop has stopped at a step boundary; requests in flight stay in flight."""
+        await self._call(lambda: setattr(self, "_paused", True))
+
+    async def resume(self) -> None:
+        await self._call(lambda: setattr(self, "_paused", False))
+
+    async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float]:
+        """Load weights from a .safetensors file (or a directory of them) at a step boundary;
+        sequences in flight recompute their KV and continue. Works paused or not."""
+        t0 = time.perf_counter()
+        state = await asyncio.to_thread(load_weights, path)
+        read_s = time.perf_counter() - t0
+
+        def apply() -> dict[str, float]:
+            stats = self.engine.update_weights(state, version)
+            self.weight_version = version
+            self._counts["weight_updates"] += 1
+            return stats
+
+        return {"engine/update_read_s": read_s, **(await self._call(apply))}
+
+    def stats(self) -> dict[str, float]:
+        """engine/* metrics: the engine's own (as of its last step) plus this loop's counters."""
+        c = self._counts
+        return {**self._snapshot,
+                "engine/weight_version": float(self.weight_version),
+                "engine/paused": float(self._paused),
+                "engine/in_flight": float(len(self._streams)),
+                "engine/requests_total": float(c["requests"]),
+                "engine/finished_total": float(c["finished"]),
+                "engine/aborted_total": float(c["aborted"]),
+                "engine/steps_total": float(c["steps"]),
+                "engine/weight_updates_total": float(c["weight_updates"]),
+                "engine/step_errors_total": float(c["step_errors"])}
+
+
+def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that caller's event loop is closed: nobody is waiting any more
+        pass
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,360 @@
+"""OpenAI-compatible routes on the engine's app: /v1/chat/completions, /v1/completions, /v1/models.
+
+Chat prompts go through the tokenizer's chat template (`async_rl.models.chat_prompt_ids`,
+with `tools` passed to it). Supported: `stream` (server-sent events, `stream_options.
+include_usage`), `usage`, `logprobs` + `top_logprobs`, `stop`, `max_tokens` /
+`max_completion_tokens`, `temperature`, `top_p`, `seed`, `n` (n > 1 only without
+streaming), and the vLLM/SGLang extensions `top_k`, `ignore_eos`, `stop_token_ids`.
+`presence_penalty`/`frequency_penalty` must be 0; other unknown fields are refused (400).
+
+For RL, every answer also carries the exact tokens: `prompt_token_ids` (top level),
+and per choice `token_ids` and `meta_info` (per-token policy versions and log-probs, as
+in the native /generate). Stop strings are cut from `content`/`text`, never from
+`token_ids`. The request's `model` is not checked: the server serves one model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictInt
+
+from async_rl.engine.async_engine import AsyncEngine, RequestHandle
+from async_rl.engine.llm_engine import EngineInputError
+from async_rl.engine.server import ApiError, finish_all_or_disconnect, meta_info, sse
+from async_rl.models import chat_prompt_ids
+from async_rl.types import GenerationOutput, SamplingParams, new_id
+
+MAX_N = 64  # most choices one request may ask for
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: StrictInt | None = None
+    n: StrictInt = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    top_k: StrictInt | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # accepted; the model decides (no constrained decoding)
+    parallel_tool_calls: bool | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = None  # legacy API: how many top tokens per position (0 = only the sampled one)
+    echo: bool = False
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[:min(hits)] if hits else text
+
+
+class _TextStream:
+    """Incremental detokenisation: text not yet sent, holding back what may still become a stop
+    string or an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, ids: list[int], final: bool) -> str:
+        self.ids += ids
+        text = _cut_at_stop(self.tokenizer.decode(self.ids, skip_special_tokens=True), self.stops)
+        safe = len(text) if final else len(text.rstrip("\ufffd")) - self.hold
+        piece = text[self.sent:max(self.sent, safe)]
+        self.sent += len(piece)
+        return piece
+
+
+class _OpenAI:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+
+    # ------------------------------------------------------------------ shared
+    def tok(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise ApiError(400, f"{field}: this server has no tokenizer; use /generate with input_ids")
+        return self.tokenizer
+
+    def sampling(self, req: _Common, prompt_len: int, max_new: int | None, top: int,
+                 seed: int | None) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise ApiError(400, f"{name}: not supported by this server (must be 0)")
+        if max_new is None:  # OpenAI's default: as long as the context allows
+            max_new = max(1, min(self.engine.max_context - prompt_len, self.engine.max_new_tokens_limit))
+        wire = {"max_new_tokens": max_new, "temperature": 1.0 if req.temperature is None else req.temperature,
+                "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": -1 if req.top_k is None else req.top_k,
+                "stop": self.stops(req), "stop_token_ids": req.stop_token_ids or [], "ignore_eos": req.ignore_eos,
+                "seed": seed, "top_logprobs": top}
+        try:
+            return SamplingParams.from_wire(wire)
+        except ValueError as exc:
+            raise ApiError(400, _openai_names(str(exc))) from None
+
+    @staticmethod
+    def stops(req: _Common) -> list[str]:
+        return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+    async def submit_n(self, rid: str, prompt: list[int], req: _Common, max_new: int | None, top: int,
+                       prompt_field: str) -> list[RequestHandle]:
+        if not 1 <= req.n <= MAX_N:
+            raise ApiError(400, f"n: must be in [1, {MAX_N}], got {req.n}")
+        handles: list[RequestHandle] = []
+        try:
+            for i in range(req.n):
+                seed = None if req.seed is None else req.seed + i
+                params = self.sampling(req, len(prompt), max_new, top, seed)
+                handles.append(await self.engine.submit(f"{rid}-{i}", prompt, params))
+        except EngineInputError as exc:
+            raise ApiError(400, _openai_names(str(exc)).replace("input_ids", prompt_field)) from None
+        finally:
+            if len(handles) < req.n:
+                for h in handles:
+                    await h.aclose()
+        return handles
+
+    def base(self, rid: str, kind: str) -> dict[str, Any]:
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    def extras(self, out: GenerationOutput) -> dict[str, Any]:
+        return {"token_ids": out.output_ids, "meta_info": meta_info(out, True, self.engine.weight_version)}
+
+    @staticmethod
+    def usage(prompt_len: int, outs: list[GenerationOutput]) -> dict[str, int]:
+        done = sum(len(o.output_ids) for o in outs)
+        return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ chat
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        tok = self.tok("messages")
+        try:
+            return chat_prompt_ids(tok, _messages(req.messages), req.tools)
+        except ApiError:
+            raise
+        except Exception as exc:  # jinja errors of a template that does not fit these messages
+            raise ApiError(400, f"messages: the chat template failed: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
+                from None
+
+    def chat_logprobs(self, ids: list[int], lps: list[float], tops: list | None) -> dict[str, Any]:
+        content = []
+        for j, (t, lp) in enumerate(zip(ids, lps)):
+            s = self.token_str(t)
+            alts = [{"token": (a := self.token_str(tid)), "logprob": alp, "bytes": list(a.encode())}
+                    for tid, alp in (tops[j] if tops else [])]
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
+        return {"content": content}
+
+    async def chat(self, req: ChatRequest, request: Request) -> Any:
+        prompt = self.chat_prompt(req)
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs=true")
+        top = (req.top_logprobs or 0) if req.logprobs else 0
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        rid = "chatcmpl-" + new_id()
+        if req.stream and req.n != 1:
+            raise ApiError(400, "n: only n=1 is supported with stream=true")
+        handles = await self.submit_n(rid, prompt, req, max_new, top, "messages")
+        if req.stream:
+            return StreamingResponse(self.chat_stream(rid, handles[0], req, prompt), media_type="text/event-stream")
+        outs = await finish_all_or_disconnect(handles, request)
+        if outs is None:
+            return Response(status_code=499)
+        stops = self.stops(req)
+        choices = [{"index": i, "message": {"role": "assistant", "content": _cut_at_stop(
+                        self.tokenizer.decode(o.output_ids, skip_special_tokens=True), stops)},
+                    "logprobs": self.chat_logprobs(o.output_ids, o.output_logprobs, o.output_top_logprobs)
+                    if req.logprobs else None,
+                    "finish_reason": o.finish_reason, **self.extras(o)} for i, o in enumerate(outs)]
+        return {**self.base(rid, "chat.completion"), "choices": choices, "usage": self.usage(len(prompt), outs),
+                "prompt_token_ids": prompt}
+
+    async def chat_stream(self, rid: str, handle: RequestHandle, req: ChatRequest,
+                          prompt: list[int]) -> AsyncIterator[str]:
+        base = self.base(rid, "chat.completion.chunk")
+
+        def chunk(delta: dict[str, Any], **extra: Any) -> str:
+            return sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
+                                             **extra}]})
+        try:
+            yield sse({**base, "prompt_token_ids": prompt, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            text = _TextStream(self.tokenizer, self.stops(req))
+            async for d in handle:
+                piece = text.push(d.new_token_ids, d.finished)
+                if d.new_token_ids:
+                    lp = self.chat_logprobs(d.new_token_ids, d.new_logprobs, d.new_top_logprobs) \
+                        if req.logprobs else None
+                    yield chunk({"content": piece}, logprobs=lp, token_ids=d.new_token_ids)
+                if d.finished:
+                    yield chunk({}, finish_reason=d.output.finish_reason, meta_info=self.extras(d.output)["meta_info"])
+                    if req.stream_options and req.stream_options.include_usage:
+                        yield sse({**base, "choices": [], "usage": self.usage(len(prompt), [d.output])})
+            yield sse("[DONE]")
+        finally:
+            await handle.aclose()
+
+    # ------------------------------------------------------------------ completions
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], str)):
+            tok = self.tok("prompt")
+            return [tok.encode(s) for s in ([p] if isinstance(p, str) else p)]
+        prompts = [p] if not p or isinstance(p[0], int) else p
+        if any(not ids for ids in prompts):
+            raise ApiError(400, "prompt: must not be empty")
+        return prompts  # type: ignore[return-value]
+
+    def completion_logprobs(self, ids: list[int], lps: list[float], tops: list | None,
+                            offset: int = 0) -> dict[str, Any]:
+        tokens = [self.token_str(t) for t in ids]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        top = [{self.token_str(t): lp for t, lp in pos} for pos in tops] if tops is not None else None
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Any:
+        if req.echo:
+            raise ApiError(400, "echo: not supported by this server")
+        prompts = self.completion_prompts(req)
+        top = req.logprobs or 0
+        rid = "cmpl-" + new_id()
+        if req.stream and (req.n != 1 or len(prompts) != 1):
+            raise ApiError(400, "n: stream=true needs one prompt and n=1")
+        handles: list[RequestHandle] = []
+        try:
+            for k, prompt in enumerate(prompts):
+                handles += await self.submit_n(f"{rid}-{k}", prompt, req, req.max_tokens, top, "prompt")
+        except BaseException:
+            for h in handles:
+                await h.aclose()
+            raise
+        if req.stream:
+            return StreamingResponse(self.completion_stream(rid, handles[0], req, prompts[0]),
+                                     media_type="text/event-stream")
+        outs = await finish_all_or_disconnect(handles, request)
+        if outs is None:
+            return Response(status_code=499)
+        stops = self.stops(req)
+        choices = [{"index": i, "text": _cut_at_stop(self.tokenizer.decode(o.output_ids, skip_special_tokens=True)
+                                                     if self.tokenizer is not None else "", stops),
+                    "logprobs": self.completion_logprobs(o.output_ids, o.output_logprobs, o.output_top_logprobs)
+                    if req.logprobs is not None and self.tokenizer is not None else None,
+                    "finish_reason": o.finish_reason, **self.extras(o)} for i, o in enumerate(outs)]
+        prompt_tokens = sum(len(p) for p in prompts)
+        body = {**self.base(rid, "text_completion"), "choices": choices,
+                "usage": self.usage(prompt_tokens, outs)}
+        body["prompt_token_ids"] = prompts[0] if len(prompts) == 1 else prompts
+        return body
+
+    async def completion_stream(self, rid: str, handle: RequestHandle, req: CompletionRequest,
+                                prompt: list[int]) -> AsyncIterator[str]:
+        base = self.base(rid, "text_completion")
+        tok = self.tok("prompt")
+        try:
+            text, offset = _TextStream(tok, self.stops(req)), 0
+            async for d in handle:
+                piece = text.push(d.new_token_ids, d.finished)
+                choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None,
+                                          "token_ids": d.new_token_ids}
+                if req.logprobs is not None and d.new_token_ids:
+                    choice["logprobs"] = self.completion_logprobs(d.new_token_ids, d.new_logprobs,
+                                                                  d.new_top_logprobs, offset)
+                offset += len(piece)
+                if d.finished:
+                    choice.update(finish_reason=d.output.finish_reason, meta_info=self.extras(d.output)["meta_info"])
+                yield sse({**base, "choices": [choice]})
+                if d.finished and req.stream_options and req.stream_options.include_usage:
+                    yield sse({**base, "choices": [], "usage": self.usage(len(prompt), [d.output])})
+            yield sse("[DONE]")
+        finally:
+            await handle.aclose()
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "async_rl", "max_model_len": self.engine.max_context}]}
+
+
+def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with string content (text parts joined), checked field by field."""
+    if not raw:
+        raise ApiError(400, "messages: must be a non-empty list")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise ApiError(400, f"messages[{i}].role: required (a string)")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"messages[{i}].content[{j}]: only {{'type': 'text', 'text': ...}} parts "
+                                        "are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content: must be a string or a list of text parts")
+        out.append({**m, "content": content})
+    return out
+
+
+def _openai_names(message: str) -> str:
+    """Engine/SamplingParams field names -> the names the OpenAI request used."""
+    return (message.replace("sampling_params.max_new_tokens", "max_tokens")
+            .replace("sampling_params.top_logprobs", "top_logprobs").replace("sampling_params.", ""))
+
+
+def add_openai_routes(app: FastAPI, engine: AsyncEngine, *, tokenizer: Any, model_name: str) -> None:
+    h = _OpenAI(engine, tokenizer, model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        return await h.chat(req, request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await h.completions(req, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return h.models()

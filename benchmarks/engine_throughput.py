@@ -1,0 +1,261 @@
+"""Generation throughput of the embedded engine against Hugging Face `model.generate`.
+
+Same model, same machine, same run, same workload: a batch of prompts with long-tailed
+`max_new_tokens` (many short answers, a few long ones), temperature-1.0 sampling over the
+full vocabulary, EOS ignored so every request produces exactly its `max_new_tokens`.
+The engine gets every request at once (continuous batching); `generate` is called the
+way a user would: left-padded batches of 16 and 32 in arrival order, each batch running
+until its longest request. Useful tokens are the tokens the requests asked for.
+
+Also measured: what a weight update adds (`update_weights` + the KV recompute of the
+in-flight sequences) next to one prefill of the same in-flight tokens, and the peak RSS
+of the engine phase next to KV budget + model + the process's footprint before loading.
+
+    python benchmarks/engine_throughput.py --quick
+    python benchmarks/engine_throughput.py --model smollm2-135m --dtype bfloat16
+
+Results accumulate in benchmarks/results/engine_throughput.json (one entry per model and
+dtype); engine_throughput.md is rebuilt from it with the command line of each entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from async_rl.config import EngineConfig, ModelConfig
+from async_rl.engine.llm_engine import LLMEngine
+from async_rl.models import PRINTABLE, load_model, load_tokenizer
+from async_rl.types import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def peak_rss_mb() -> float:
+    """High-water RSS since the last `reset_peak_rss()` (VmHWM), else since the process started."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> None:
+    """Restart the high-water mark, so model loading (fp32 before a bf16 cast) does not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def workload(vocab: int, n: int, quick: bool, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, max_new_tokens) per request, in arrival order; lengths are long-tailed."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (8, 48) if quick else (16, 128)
+    out = []
+    for _ in range(n):
+        plen = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        prompt = torch.randint(3, vocab, (plen,), generator=g).tolist()
+        r = float(torch.rand(1, generator=g))
+        if r < 0.70:
+            new = int(torch.randint(8, 33, (1,), generator=g))
+        elif r < 0.92:
+            new = int(torch.randint(64, 129, (1,), generator=g))
+        else:
+            new = 256
+        out.append((prompt, new // 2 if quick else new))
+    return out
+
+
+def run_engine(model, cfg: EngineConfig, work, desc: str) -> tuple[float, LLMEngine]:
+    engine = LLMEngine(model, cfg)
+    total = sum(m for _, m in work)
+    t0 = time.perf_counter()
+    for i, (prompt, new) in enumerate(work):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True))
+    produced = 0
+    with tqdm(total=total, desc=desc, unit="tok", leave=False) as bar:
+        while engine.has_unfinished():
+            n = sum(len(o.new_token_ids) for o in engine.step())
+            produced += n
+            bar.update(n)
+    elapsed = time.perf_counter() - t0
+    assert produced == total, (produced, total)
+    return elapsed, engine
+
+
+def run_hf(model, work, batch_size: int, pad_id: int, desc: str) -> float:
+    t0 = time.perf_counter()
+    for start in tqdm(range(0, len(work), batch_size), desc=desc, leave=False):
+        batch = work[start:start + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        longest = max(m for _, m in batch)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
+        assert out.shape[1] == width + longest
+    return time.perf_counter() - t0
+
+
+def weight_update_cost(model, cfg: EngineConfig, work, decode_steps: int = 8) -> dict[str, float]:
+    """Interrupt in-flight sequences with a same-weights update; time the recompute against a plain prefill."""
+    reqs = [(p, max(m, 2 * decode_steps)) for p, m in work[:cfg.max_running]]
+    engine = LLMEngine(model, cfg)
+    new_weights = {k: v.clone() for k, v in model.state_dict().items()}  # same values, separate tensors
+    t0 = time.perf_counter()
+    engine.update_weights(new_weights, version=1)  # the first write into freshly loaded weights pays page faults
+    first_load_s = time.perf_counter() - t0
+    for i, (prompt, new) in enumerate(reqs):
+        engine.add_request(f"w{i}", prompt, SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True))
+    while any(s.num_computed < len(s) - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(decode_steps):
+        engine.step()
+    in_flight = [list(s.token_ids) for s in engine.scheduler.running]
+    t0 = time.perf_counter()
+    engine.step()
+    decode_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    stats = engine.update_weights(new_weights, version=2)
+    load_s = time.perf_counter() - t0
+    steps = 0
+    while engine.scheduler.waiting or any(s.num_computed < len(s) - 1 for s in engine.scheduler.running):
+        engine.step()
+        steps += 1
+    recompute_s = time.perf_counter() - t0 - load_s
+    fresh = LLMEngine(model, cfg)
+    for i, ids in enumerate(in_flight):
+        fresh.add_request(f"p{i}", ids, SamplingParams(max_new_tokens=1, temperature=1.0))
+    t0 = time.perf_counter()
+    while fresh.has_unfinished():
+        fresh.step()
+    prefill_s = time.perf_counter() - t0
+    return {"in_flight_seqs": len(in_flight), "in_flight_tokens": sum(map(len, in_flight)),
+            "interrupted": stats["engine/interrupted"], "first_load_s": first_load_s, "load_s": load_s,
+            "recompute_s": recompute_s,
+            "recompute_steps": steps, "prefill_same_tokens_s": prefill_s, "decode_step_s": decode_s}
+
+
+def measure(args) -> dict:
+    torch.manual_seed(args.seed)
+    base_rss = current_rss_mb()
+    mc = ModelConfig(name=args.model, dtype=args.dtype, tiny_alphabet=PRINTABLE, max_position=1024)
+    tok = load_tokenizer(mc)
+    model = load_model(mc, seed=args.seed, tokenizer=tok)
+    model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    vocab = model.get_input_embeddings().weight.shape[0]
+    work = workload(vocab, args.num_prompts, args.quick, args.seed)
+    useful = sum(m for _, m in work)
+    cfg = EngineConfig(kv_cache_mb=args.kv_cache_mb, max_running=args.max_running,
+                       max_tokens_per_step=args.max_tokens_per_step, enable_prefix_caching=True)
+    gc.collect()
+    loaded_rss = current_rss_mb()
+    reset_peak_rss()
+    run_engine(model, cfg, work[:8], "warm-up")
+    engine_s, engine = run_engine(model, cfg, work, "engine")
+    peak_rss = peak_rss_mb()
+    stats = engine.stats()
+    del engine
+    update = weight_update_cost(model, cfg, work)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    hf = {b: run_hf(model, work, b, pad, f"hf generate b={b}") for b in args.hf_batch_sizes}
+    return {
+        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "num_prompts": len(work), "useful_tokens": useful,
+        "prompt_tokens": sum(len(p) for p, _ in work),
+        "engine": {"seconds": engine_s, "tokens_per_s": useful / engine_s,
+                   "preemptions": stats["engine/preemptions"]},
+        "hf_generate": {str(b): {"seconds": s, "tokens_per_s": useful / s} for b, s in hf.items()},
+        "speedup": {str(b): s / engine_s for b, s in hf.items()},
+        "weight_update": update,
+        "memory_mb": {"peak_rss": peak_rss, "kv_budget": args.kv_cache_mb, "model": model_mb,
+                      "before_model": base_rss, "model_loaded": loaded_rss},
+        "engine_config": {"kv_cache_mb": cfg.kv_cache_mb, "max_running": cfg.max_running,
+                          "max_tokens_per_step": cfg.max_tokens_per_step, "block_size": cfg.block_size},
+        "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "machine": f"{os.cpu_count()} cpus, torch {torch.__version__}",
+    }
+
+
+def table(entries: dict) -> str:
+    lines = ["| model | dtype | prompts | useful tok | engine tok/s | HF b=16 tok/s | HF b=32 tok/s | "
+             "speedup vs b=16 / b=32 |", "|---|---|---|---|---|---|---|---|"]
+    for e in entries.values():
+        hf = e["hf_generate"]
+        cell = lambda b: f"{hf[b]['tokens_per_s']:.1f}" if b in hf else "-"  # noqa: E731
+        sp = " / ".join(f"{e['speedup'][b]:.2f}x" for b in ("16", "32") if b in e["speedup"])
+        lines.append(f"| {e['model']} | {e['dtype']} | {e['num_prompts']} | {e['useful_tokens']} | "
+                     f"{e['engine']['tokens_per_s']:.1f} | {cell('16')} | {cell('32')} | {sp} |")
+    lines += ["", "| model | dtype | in-flight seqs / tokens | update_weights s (first) | KV recompute s | "
+              "prefill of same tokens s | one decode step s |", "|---|---|---|---|---|---|---|"]
+    for e in entries.values():
+        u = e["weight_update"]
+        lines.append(f"| {e['model']} | {e['dtype']} | {u['in_flight_seqs']} / {u['in_flight_tokens']} | "
+                     f"{u['load_s']:.3f} ({u.get('first_load_s', float('nan')):.3f}) | {u['recompute_s']:.3f} | "
+                     f"{u['prefill_same_tokens_s']:.3f} | "
+                     f"{u['decode_step_s']:.3f} |")
+    lines += ["", "| model | dtype | engine-phase peak RSS MB | KV budget MB | model MB | process before model MB | "
+              "budget + model + before MB |", "|---|---|---|---|---|---|---|"]
+    for e in entries.values():
+        m = e["memory_mb"]
+        lines.append(f"| {e['model']} | {e['dtype']} | {m['peak_rss']:.0f} | {m['kv_budget']:.0f} | "
+                     f"{m['model']:.0f} | {m['before_model']:.0f} | "
+                     f"{m['kv_budget'] + m['model'] + m['before_model']:.0f} |")
+    return "\n".join(lines)
+
+
+def write_results(entry: dict) -> dict:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / "engine_throughput.json"
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    entries[f"{entry['model']}/{entry['dtype']}{'/quick' if '--quick' in entry['command'] else ''}"] = entry
+    path.write_text(json.dumps(entries, indent=2) + "\n")
+    md = ["# Engine throughput vs HF generate", "",
+          "Useful generated tokens/s on a long-tailed workload (temperature 1.0, EOS ignored); "
+          "see benchmarks/engine_throughput.py.", "", table(entries), "", "Commands:", ""]
+    md += [f"- `{e['command']}` ({e['machine']}, {e['threads']} threads)" for e in entries.values()]
+    (RESULTS / "engine_throughput.md").write_text("\n".join(md) + "\n")
+    return entries
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="tiny | smollm2-135m | checkpoint dir")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--kv-cache-mb", type=float, default=512.0)
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--max-tokens-per-step", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="64 prompts, halved lengths (< 2 minutes)")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_prompts = min(args.num_prompts, 64)
+    torch.set_num_threads(args.threads or os.cpu_count())
+    entry = measure(args)
+    entries = write_results(entry)
+    print(table({k: v for k, v in entries.items() if v is entry}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""`async-rl serve`: one embedded generation server (model + engine + HTTP) in this process.
+
+`serve_main` binds `engine.host:engine.port` itself (port 0 = a free port), and once
+uvicorn accepts requests prints exactly one line, `serving on http://HOST:PORT`, to stdout
+and writes the URL to `ready_file` if one is given. SIGINT/SIGTERM abort the requests in
+flight, stop the HTTP server and the engine loop, and return.
+
+`BackgroundServer` serves the same app from a background thread of the calling process
+(tests, notebooks, benchmarks):
+
+    with BackgroundServer.for_model(model, tokenizer, EngineConfig(), model_name="tiny") as url:
+        ...  # http://127.0.0.1:<free port>
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from async_rl.config import Config, EngineConfig
+from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
+from async_rl.engine.llm_engine import LLMEngine
+from async_rl.engine.server import build_app
+from async_rl.models import eos_token_ids, load_model, load_tokenizer
+from launch.common import effective_threads
+
+logger = logging.getLogger(__name__)
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn serving one engine: on shutdown it first aborts the requests in flight (so their
+    handlers answer at once instead of holding the shutdown), and SIGINT/SIGTERM end `serve()`
+    normally instead of being re-raised after it."""
+
+    def __init__(self, app: FastAPI, engine: AsyncEngine):
+        super().__init__(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=10, timeout_keep_alive=30))
+        self.engine = engine
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        with contextlib.suppress(EngineStoppedError):
+            await self.engine.abort_all()
+        await super().shutdown(sockets=sockets)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound socket on host:port (port 0 = a free port; read it back with `socket_url`)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"engine.host/engine.port: cannot bind {host}:{port} ({exc.strerror}); "
+                      "use engine.port=0 for a free port") from None
+    return sock
+
+
+def socket_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def build_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> AsyncEngine:
+    """An AsyncEngine (not started) around `model`, ending responses at its EOS ids."""
+    return AsyncEngine(LLMEngine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer)))
+
+
+class BackgroundServer:
+    """Serve an engine's app from a background thread (its own event loop) on a free port."""
+
+    def __init__(self, app: FastAPI, engine: AsyncEngine, host: str = "127.0.0.1", port: int = 0,
+                 own_engine: bool = False):
+        self.engine, self.own_engine = engine, own_engine
+        self.sock = bind_socket(host, port)
+        self.url = socket_url(self.sock)
+        self.server = EngineServer(app, engine)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                        name="http-server", daemon=True)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer: Any, config: EngineConfig, *,
+                  model_name: str) -> "BackgroundServer":
+        """Engine, app and server around `model`; `stop()` also shuts the engine down."""
+        engine = build_engine(model, tokenizer, config).start()
+        return cls(build_app(engine, model_name=model_name, tokenizer=tokenizer), engine, own_engine=True)
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"server at {self.url} failed to start (see the log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server at {self.url} did not start within {timeout_s:g}s")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+        self.sock.close()
+        if self.own_engine:
+            self.engine.shutdown()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _write_ready(ready_file: str, url: str) -> None:
+    path = Path(ready_file)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(url)
+    tmp.replace(path)  # readers never see a half-written address
+
+
+def serve_main(cfg: Config, *, ready_file: str | None = None) -> None:
+    torch.set_num_threads(effective_threads(cfg.engine.num_threads, cfg.mode))
+    sock = bind_socket(cfg.engine.host, cfg.engine.port)  # fail early (port taken) before loading the model
+    url = socket_url(sock)
+    tokenizer = load_tokenizer(cfg.model)
+    engine = build_engine(load_model(cfg.model, seed=cfg.seed, tokenizer=tokenizer), tokenizer, cfg.engine).start()
+    server = EngineServer(build_app(engine, model_name=cfg.model.name, tokenizer=tokenizer), engine)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        if ready_file:
+            _write_ready(ready_file, url)
+        print(f"serving on {url}", flush=True)
+        logger.info("serving %s on %s (torch threads: %d)", cfg.model.name, url, torch.get_num_threads())
+
+    async def main() -> None:
+        task = asyncio.create_task(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            task.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+        sock.close()
+        logger.info("server on %s stopped", url)

@@ -1,0 +1,154 @@
+"""`HttpGenerationClient` against a real embedded server: the `GenerationClient` contract end to end.
+
+Many concurrent sessions on one client, errors mapped to ValueError (4xx, the server's
+message) / ServerUnreachableError (nobody listening, fast, naming the address), pause ->
+update weights -> continue through the client, abort by id, and a cancelled call
+aborting its request on the server.
+"""
+
+import asyncio
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from async_rl.config import EngineConfig, ModelConfig
+from async_rl.engine.client import HttpGenerationClient, ServerUnreachableError
+from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
+from async_rl.protocols import GenerationClient
+from async_rl.types import SamplingParams
+from launch.serve import BackgroundServer
+
+
+@pytest.fixture(scope="module")
+def srv():
+    torch.set_num_threads(1)
+    tok = build_tiny_tokenizer(PRINTABLE)
+    model = load_model(ModelConfig(tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
+    bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
+    with bg as url:
+        yield SimpleNamespace(url=url, engine=bg.engine, tok=tok, model=model)
+
+
+def run_with_client(url, body, **kw):
+    """Run `body(client)` in a fresh event loop with a client that is closed afterwards."""
+    async def main():
+        client = HttpGenerationClient(url, **kw)
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+    return asyncio.run(main())
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_wait_ready_on_a_closed_port_fails_fast_naming_the_address():
+    url = f"http://127.0.0.1:{closed_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnreachableError) as err:
+        run_with_client(url, lambda c: c.wait_ready(1.0))
+    assert time.monotonic() - t0 < 3.0
+    assert url in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ServerUnreachableError, match=url):
+        run_with_client(url, lambda c: c.generate([1, 2], SamplingParams(max_new_tokens=2)))
+    assert run_with_client(url, lambda c: c.health()) is False
+
+
+def test_client_is_a_generation_client_and_reports_the_server(srv):
+    async def body(c):
+        await c.wait_ready(10)
+        return isinstance(c, GenerationClient), await c.health(), await c.get_model_info()
+
+    is_client, healthy, info = run_with_client(srv.url, body)
+    assert is_client and healthy and info["vocab_size"] == len(srv.tok) and info["max_context"] == 512
+
+
+def test_32_concurrent_generations_on_one_client(srv):
+    prompts = [srv.tok.encode(f"{i}+{i}=") for i in range(32)]
+
+    async def body(c):
+        return await asyncio.gather(*(c.generate(p, SamplingParams(max_new_tokens=6 + i % 3, ignore_eos=True,
+                                                                   seed=i, top_logprobs=2), f"cli-{i}")
+                                      for i, p in enumerate(prompts)))
+
+    outs = run_with_client(srv.url, body)
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert out.request_id == f"cli-{i}" and out.prompt_len == len(p) and out.finish_reason == "length"
+        assert len(out.output_ids) == len(out.output_logprobs) == len(out.output_versions) == 6 + i % 3
+        assert all(lp <= 0 for lp in out.output_logprobs) and len(out.output_top_logprobs[0]) == 2
+        assert out.output_versions == [srv.engine.weight_version] * len(out.output_ids)
+
+
+def test_server_4xx_becomes_value_error_with_the_servers_message(srv):
+    async def body(c):
+        with pytest.raises(ValueError, match=r"input_ids\[1\].*outside the vocabulary"):
+            await c.generate([1, 10**6], SamplingParams(max_new_tokens=2))
+        with pytest.raises(ValueError, match="model_path"):
+            await c.update_weights_from_disk("/nonexistent.safetensors", 5)
+        return await c.generate([1, 2], SamplingParams(max_new_tokens=2))  # still serving
+
+    assert len(run_with_client(srv.url, body).output_ids) <= 2
+
+
+def test_pause_update_continue_and_abort_through_the_client(srv, tmp_path):
+    weights = tmp_path / "w.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in srv.model.state_dict().items()}, str(weights))
+    params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    new_version = srv.engine.weight_version + 1
+
+    async def body(c):
+        await c.pause_generation()
+        kept = asyncio.create_task(c.generate([5, 6, 7], params, "kept"))
+        victim = asyncio.create_task(c.generate([5, 6, 8], params, "victim"))
+        while (await c.metrics())["engine/in_flight"] < 2:
+            await asyncio.sleep(0.01)
+        await c.abort_request("victim")
+        aborted = await victim
+        update = await c.update_weights_from_disk(str(weights), new_version)
+        await c.continue_generation()
+        return aborted, update, await kept
+
+    aborted, update, kept = run_with_client(srv.url, body)
+    assert aborted.finish_reason == "abort" and aborted.output_ids == []
+    assert update["success"] and update["weight_version"] == new_version
+    assert kept.finish_reason == "length" and kept.output_versions == [new_version] * 60
+
+
+def test_a_cancelled_call_aborts_its_request_on_the_server(srv):
+    async def body(c):
+        before = (await c.metrics())["engine/aborted_total"]
+        await c.pause_generation()
+        try:
+            task = asyncio.create_task(c.generate([5, 6, 7], SamplingParams(max_new_tokens=8), "cancelled"))
+            while (await c.metrics())["engine/in_flight"] < 1:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            deadline = time.monotonic() + 10
+            while (m := await c.metrics())["engine/in_flight"] > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return before, m
+        finally:
+            await c.continue_generation()
+
+    before, after = run_with_client(srv.url, body)
+    assert after["engine/in_flight"] == 0 and after["engine/aborted_total"] == before + 1
+
+
+def test_a_call_longer_than_the_timeout_raises_timeout_error(srv):
+    async def body(c):
+        await c.pause_generation()
+        try:
+            with pytest.raises(TimeoutError, match=srv.url):
+                await c.generate([5, 6], SamplingParams(max_new_tokens=4))
+        finally:
+            await c.continue_generation()
+
+    run_with_client(srv.url, body, timeout_s=0.5)
