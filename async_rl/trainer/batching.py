@@ -1,70 +1,97 @@
 """Trajectories -> padded model inputs, micro-batches by token budget, and token log-probs.
 
-Everything is laid out over next-token positions: column j of a [B, L-1] tensor is about
-the token at position j+1, predicted from the logits at position j. A response token k
-of a trajectory with a P-token prompt sits in column P-1+k. Micro-batches are formed by
-sorting on length so that padding stays small; packing without padding can replace
-`micro_batches` later without touching the trainer.
+Everything per token is laid out over next-token positions: column j of a [B, L-1]
+tensor is about the token at position j+1, predicted from the logits at position j.
+Response token k of a trajectory with a P-token prompt sits in column P-1+k; prompt
+columns and padding hold zeros (versions -1) and loss_mask 0. Micro-batches are formed
+by sorting on length so padding stays small; packing without padding can replace
+`micro_batches` + `collate` later without touching the trainer.
+
+`token_logprobs` runs the decoder once, then applies the LM head only at the scored
+positions, a chunk of rows at a time in float32. Under autograd each chunk is
+checkpointed, so a [tokens, vocab] logits tensor never outlives its chunk (the vocab is
+49152 for SmolLM2); the price is a second LM-head matmul per chunk in backward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from async_rl.trainer.advantages import broadcast_to_tokens
 from async_rl.types import Trajectory
+
+# config attributes of heads that are more than a plain linear layer: fall back to full logits
+_SPECIAL_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor  # [B, L] int64, right-padded with 0
-    attention_mask: torch.Tensor  # [B, L]
-    loss_mask: torch.Tensor  # [B, L-1] 1 where the target token was sampled by the model
-    behav_logprobs: torch.Tensor  # [B, L-1]
+    input_ids: torch.Tensor  # [B, L] int64, prompt + response, right-padded with 0
+    attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
+    loss_mask: torch.Tensor  # [B, L-1] float32, 1 where the target token was sampled by the model
+    behav_logprobs: torch.Tensor  # [B, L-1] float32, 0 where not trained
     versions: torch.Tensor  # [B, L-1] int64, -1 where not trained
-    advantages: torch.Tensor  # [B, L-1]
-    index: list[int]  # positions of these rows in the trajectory list
+    advantages: torch.Tensor  # [B, L-1] float32, 0 where not trained
+    index: list[int]  # positions of these rows in the trajectory list they came from
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(**{f.name: getattr(self, f.name).to(device) if f.name != "index" else self.index
+                        for f in fields(self)})
+
+
+def seq_len(traj: Trajectory) -> int:
+    return len(traj.prompt_ids) + len(traj.response_ids)
+
 
 def collate(trajs: list[Trajectory], advantages: torch.Tensor, index: list[int]) -> Batch:
-    """Pad the trajectories `index` of `trajs` into one Batch; `advantages` is [len(trajs)]."""
+    """Pad trajectories `trajs[i] for i in index` into one Batch; `advantages` is [len(trajs)]."""
     rows = [trajs[i] for i in index]
-    L = max(len(t.prompt_ids) + len(t.response_ids) for t in rows)
-    B = len(rows)
+    for i, t in zip(index, rows):
+        if len(t.prompt_ids) == 0:
+            raise ValueError(f"trajectory {t.id} (#{i}): prompt_ids is empty; the first response token "
+                             "needs at least one prompt token to be predicted from")
+    B, L = len(rows), max(seq_len(t) for t in rows)
     input_ids = torch.zeros(B, L, dtype=torch.long)
-    attn = torch.zeros(B, L, dtype=torch.long)
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
     loss_mask = torch.zeros(B, L - 1)
     behav = torch.zeros(B, L - 1)
     versions = torch.full((B, L - 1), -1, dtype=torch.long)
-    adv = torch.zeros(B, L - 1)
     for b, t in enumerate(rows):
         p, r = len(t.prompt_ids), len(t.response_ids)
         input_ids[b, :p] = torch.from_numpy(t.prompt_ids.astype(np.int64))
         input_ids[b, p:p + r] = torch.from_numpy(t.response_ids.astype(np.int64))
-        attn[b, :p + r] = 1
+        attention_mask[b, :p + r] = 1
         cols = slice(p - 1, p - 1 + r)
-        m = torch.from_numpy(t.loss_mask.astype(np.float32))
-        loss_mask[b, cols] = m
-        behav[b, cols] = torch.from_numpy(t.behav_logprobs.astype(np.float32)) * m
-        versions[b, cols] = torch.from_numpy(t.versions.astype(np.int64))
-        adv[b, cols] = advantages[index[b]] * m
-    return Batch(input_ids, attn, loss_mask, behav, versions, adv, list(index))
+        m = torch.from_numpy(t.loss_mask.astype(bool))
+        loss_mask[b, cols] = m.float()
+        behav[b, cols] = torch.where(m, torch.from_numpy(t.behav_logprobs.astype(np.float32)), 0.0)
+        versions[b, cols] = torch.where(m, torch.from_numpy(t.versions.astype(np.int64)), -1)
+    adv = broadcast_to_tokens(advantages[index].to(torch.float32), loss_mask)
+    return Batch(input_ids, attention_mask, loss_mask, behav, versions, adv, list(index))
 
 
 def micro_batches(trajs: list[Trajectory], token_budget: int) -> list[list[int]]:
-    """Split trajectory indices into groups whose padded size (rows x longest) fits `token_budget`."""
-    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].prompt_ids) + len(trajs[i].response_ids))
+    """Split indices of `trajs` into groups whose padded size (rows x longest) fits `token_budget`.
+
+    Sorting by length keeps similar lengths together (little padding). A trajectory longer
+    than the budget gets a micro-batch of its own.
+    """
+    if token_budget <= 0:
+        raise ValueError(f"trainer.micro_batch_tokens: must be > 0, got {token_budget}")
+    order = sorted(range(len(trajs)), key=lambda i: seq_len(trajs[i]))
     out: list[list[int]] = []
     cur: list[int] = []
     for i in order:
-        length = len(trajs[i].prompt_ids) + len(trajs[i].response_ids)
-        if cur and (len(cur) + 1) * length > token_budget:
+        if cur and (len(cur) + 1) * seq_len(trajs[i]) > token_budget:
             out.append(cur)
             cur = []
         cur.append(i)
@@ -73,13 +100,67 @@ def micro_batches(trajs: list[Trajectory], token_budget: int) -> list[list[int]]
     return out
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
-    """Log-prob of each next token under log_softmax(logits / temperature), in fp32: [B, L-1]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # [B, L-1, V]
+def _plain_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """(decoder, lm_head) when logits are exactly lm_head(decoder(...)), else None."""
+    config = getattr(model, "config", None)
+    if any(getattr(config, a, None) not in (None, 1, 1.0) for a in _SPECIAL_HEAD_ATTRS):
+        return None
+    get_dec, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if get_dec is None or get_head is None:
+        return None
+    decoder, head = get_dec(), get_head()
+    if decoder is None or decoder is model or not isinstance(head, torch.nn.Linear):
+        return None
+    return decoder, head
+
+
+def _pick(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """logits [n, V] (any dtype), targets [n] -> [n] float32 log-probs of the targets."""
     logits = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids[:, 1:]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    if inv_temp != 1.0:
+        logits = logits * inv_temp
+    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    """hidden [n, H], targets [n] -> [n]; the matmul runs in the model's dtype, like the engine's."""
+    return _pick(F.linear(hidden, weight, bias), targets, inv_temp)
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float, *, score_mask: torch.Tensor | None = None,
+                   chunk_tokens: int = 1024) -> torch.Tensor:
+    """[B, L-1] float32: log p(input_ids[:, j+1] | input_ids[:, :j+1]) under log_softmax(logits / temperature).
+
+    temperature 0 (greedy) or 1 means plain log_softmax. Only positions where
+    `score_mask` [B, L-1] is nonzero are computed (default: every real next token); the
+    others are 0. Differentiable when grad is enabled.
+    """
+    B, L = input_ids.shape
+    if score_mask is None:
+        score_mask = attention_mask[:, 1:]
+    if score_mask.shape != (B, L - 1):
+        raise ValueError(f"score_mask: expected shape {(B, L - 1)}, got {tuple(score_mask.shape)}")
+    inv_temp = 1.0 if temperature in (0.0, 1.0) else 1.0 / temperature
+    rows, cols = score_mask.nonzero(as_tuple=True)  # [N] each
+    targets = input_ids[:, 1:][rows, cols]  # [N]
+    split = _plain_head(model)
+    if split is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        picked = _pick(logits[:, :-1][rows, cols], targets, inv_temp)  # [N]
+    else:
+        decoder, head = split
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        h = hidden[:, :-1][rows, cols]  # [N, H]
+        parts = []
+        for s in range(0, h.shape[0], chunk_tokens):
+            args = (h[s:s + chunk_tokens], head.weight, head.bias, targets[s:s + chunk_tokens], inv_temp)
+            if torch.is_grad_enabled() and h.requires_grad:
+                parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_chunk_logprobs(*args))
+        picked = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+    out = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device)
+    return out.index_put((rows, cols), picked)
+

@@ -1,47 +1,79 @@
-"""Trainer checkpoints: model (safetensors), optimizer state, and a JSON of counters; written atomically."""
+"""Trainer checkpoints: a directory with the model (safetensors), the optimizer state and a JSON.
+
+    <root>/step_000010/model.safetensors   weights, tied tensors stored once
+                      /optimizer.pt        torch.save of optimizer.state_dict() (local use)
+                      /meta.json           {"step": 10, **extra}  e.g. extra={"policy_version": 10}
+
+A checkpoint is written into a temporary sibling directory and renamed into place, so
+a crash leaves either the old checkpoint or the new one, never half of one.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_model, save_model
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step_(\d+)$")
 
 
-def _plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # clone: tied weights share storage, which safetensors refuses to write twice
-    return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
 
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
                     extra: dict[str, Any] | None = None) -> Path:
+    """Write a checkpoint directory at `path` (replacing one already there); return its path."""
+    extra = dict(extra or {})
+    if "step" in extra:
+        raise ValueError("extra: 'step' is reserved (pass the step as the `step` argument)")
     out = Path(path)
-    tmp = out.with_name(out.name + ".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(_plain_state(model), str(tmp / "model.safetensors"))
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"), metadata={"step": str(step)})
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, **(extra or {})}))
-    shutil.rmtree(out, ignore_errors=True)
+    (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=1))
+    old = out.with_name(f"{out.name}.old{os.getpid()}")
+    if out.exists():
+        out.rename(old)
     tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+    logger.info("checkpoint of step %d written to %s", step, out)
     return out
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load weights (and optimizer state when given and saved) from `path`; return meta.json's dict."""
     p = Path(path)
     if not (p / "meta.json").is_file():
-        raise FileNotFoundError(f"{p}: not a checkpoint (no meta.json)")
-    model.load_state_dict(load_file(str(p / "model.safetensors")))
-    if optimizer is not None and (p / "optimizer.pt").is_file():
-        optimizer.load_state_dict(torch.load(p / "optimizer.pt", weights_only=True))
+        raise FileNotFoundError(f"{p}: not a checkpoint directory (no meta.json)")
+    device = next(model.parameters()).device
+    load_model(model, str(p / "model.safetensors"), strict=True, device=str(device))
+    if optimizer is not None:
+        if not (p / "optimizer.pt").is_file():
+            raise FileNotFoundError(f"{p}: has no optimizer.pt (saved without an optimizer); pass optimizer=None")
+        optimizer.load_state_dict(torch.load(p / "optimizer.pt", weights_only=True, map_location=device))
     return json.loads((p / "meta.json").read_text())
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    found = sorted(d for d in Path(root).glob("step_*") if (d / "meta.json").is_file())
-    return found[-1] if found else None
+    """The complete checkpoint with the highest step under `root`, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), d) for d in root.iterdir()
+             if (m := _NAME.match(d.name)) and (d / "meta.json").is_file()]
+    return max(found)[1] if found else None

@@ -1,18 +1,23 @@
-"""The plain-PyTorch PPO trainer: one `train_step` per batch of groups.
+"""The plain-PyTorch PPO trainer (CPU or one GPU): one `train_step` per batch of groups.
 
+    model = load_model(ModelConfig(), seed=0)
     trainer = PPOTrainer(model, TrainerConfig(), temperature=1.0, max_staleness=1, seed=0)
     stats = trainer.train_step(groups)      # list of groups, each a list of Trajectory
-    weights = trainer.state_dict()          # publish as version trainer.policy_version
+    publisher.publish(trainer.state_dict(), trainer.policy_version)
 
-A step drops trajectories whose oldest sampled token is more than `max_staleness`
-versions old, computes group-relative advantages, recomputes proximal log-probs with
-the current weights, takes `minibatches` AdamW steps on the decoupled PPO loss, and
-advances `policy_version`.
+A step (1) drops trajectories whose oldest sampled token is more than `max_staleness`
+versions older than `policy_version`, (2) computes group-relative advantages, (3)
+recomputes proximal log-probs with the current weights, (4) takes `cfg.minibatches`
+AdamW steps on the decoupled PPO loss, each accumulating gradients over micro-batches
+of at most `cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
+The version advances even when every trajectory was dropped: it counts train steps,
+and the rollout side's staleness gate admits new prompts only as it grows.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -21,109 +26,186 @@ import torch
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import group_advantages
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
-from async_rl.trainer.loss import LOSSES
+from async_rl.trainer.loss import get_loss
 from async_rl.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
+# reported when a step has nothing to train on, so every step logs the same keys
+_NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 1.0,
+              "train/approx_kl": 0.0, "train/behav_weight_mean": 1.0, "train/behav_weight_max": 1.0,
+              "train/behav_capped_frac": 0.0, "train/staleness_max": 0.0, "train/staleness_mean": 0.0,
+              "train/num_tokens": 0.0, "train/optimizer_steps": 0.0, "train/skipped_nonfinite": 0.0}
+
 
 class PPOTrainer:
+    """Decoupled PPO on an HF causal LM; `policy_version` is the version of the current weights."""
+
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, temperature: float, max_staleness: int,
                  seed: int, policy_version: int = 0, loss: str = "decoupled_ppo"):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
+        if cfg.minibatches < 1:
+            raise ValueError(f"trainer.minibatches: must be >= 1, got {cfg.minibatches}")
+        if cfg.micro_batch_tokens < 1:
+            raise ValueError(f"trainer.micro_batch_tokens: must be >= 1, got {cfg.micro_batch_tokens}")
         self.model = model
         self.cfg = cfg
         self.temperature = temperature
         self.max_staleness = max_staleness
         self.policy_version = policy_version
-        self.loss_fn = LOSSES[loss]
-        torch.manual_seed(seed)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.loss_fn = get_loss(loss)
+        self.device = next(model.parameters()).device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
 
     # ------------------------------------------------------------------ public
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
+        """Train on `groups` (each the samples of one prompt) and advance policy_version; return stats."""
         t0 = time.perf_counter()
         trajs = [t for g in groups for t in g]
         floor = self.policy_version - self.max_staleness
         kept = [t for t in trajs if t.oldest_version() >= floor]
-        stats: dict[str, float] = {"train/dropped_stale": len(trajs) - len(kept),
-                                   "train/num_trajectories": len(kept)}
-        rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-        stats.update({"train/reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
-                      "train/reward_std": float(rewards.std()) if len(trajs) else 0.0,
-                      "rollout/interrupted": sum(1 for t in trajs if t.num_interruptions > 0),
-                      "train/response_len_mean": float(np.mean([len(t.response_ids) for t in trajs]))
-                      if trajs else 0.0})
+        stats = self._batch_stats(trajs, kept)
         if kept:
             stats.update(self._update(kept))
         else:
-            logger.warning("every trajectory of this batch was too stale: no update at version %d",
-                           self.policy_version)
-            stats.update({"train/loss": 0.0, "train/staleness_max": 0, "train/staleness_mean": 0.0,
-                          "train/num_tokens": 0, "train/grad_norm": 0.0})
+            logger.warning("train step at version %d: all %d trajectories older than version %d, no update",
+                           self.policy_version, len(trajs), floor)
+            stats.update(_NO_UPDATE)
         self.policy_version += 1
         stats["timing/train_s"] = time.perf_counter() - t0
         return stats
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        """A detached CPU copy of the weights, named as model.state_dict().
+
+        Entries that are one tensor in the model (tied embedding and LM head) stay one
+        tensor here, so a publisher can store it once.
+        """
+        copies: dict[tuple, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.model.state_dict().items():
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key not in copies:
+                copies[key] = t.detach().to("cpu", copy=True)
+            out[name] = copies[key]
+        return out
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _batch_stats(trajs: list[Trajectory], kept: list[Trajectory]) -> dict[str, float]:
+        """What the batch looked like on arrival (rewards and lengths of everything received)."""
+        rewards = np.array([t.reward for t in trajs], dtype=np.float64)
+        lengths = [len(t.response_ids) for t in trajs]
+        return {
+            "train/reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
+            "train/reward_std": float(rewards.std()) if len(trajs) else 0.0,
+            "train/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "train/dropped_stale": float(len(trajs) - len(kept)),
+            "train/num_trajectories": float(len(kept)),
+            "rollout/interrupted": float(sum(1 for t in trajs if t.num_interruptions > 0)),
+        }
+
     def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs],
-                               std_norm=self.cfg.adv_std_norm)
+                               std_norm=self.cfg.adv_std_norm)  # [N]
         minibatches = self._split(trajs, adv)
         stats = self._staleness(minibatches)
-        prox = self._prox_logprobs(minibatches) if self.cfg.minibatches > 1 else None
-        losses, norms, extra = [], [], []
+        prox = self._prox_logprobs(minibatches) if len(minibatches) > 1 else None
+        acc = _StatsAccumulator()
+        steps = skipped = 0
         self.model.train()
         try:
             for m, micros in enumerate(minibatches):
-                total = sum(b.num_tokens for b in micros) or 1
+                total = sum(b.num_tokens for b in micros)
+                if total == 0:
+                    continue
                 self.optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
                 for k, batch in enumerate(micros):
-                    logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature)
-                    prox_lp = prox[m][k] if prox is not None else logprobs.detach()
-                    loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages,
-                                           batch.loss_mask, eps_clip=self.cfg.eps_clip,
-                                           behav_weight_cap=self.cfg.behav_weight_cap)
-                    (loss * (batch.num_tokens / total)).backward()
-                    step_loss += float(loss) * batch.num_tokens / total
-                    extra.append(s)
-                clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-                norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)))
-                self.optimizer.step()
-                losses.append(step_loss)
+                    if batch.num_tokens:
+                        self._accumulate(batch, prox[m][k] if prox is not None else None, total, acc)
+                norm = self._clip_grads()
+                acc.add_grad_norm(norm)
+                if math.isfinite(norm):
+                    self.optimizer.step()
+                    steps += 1
+                else:
+                    logger.warning("non-finite gradient norm at version %d: optimizer step skipped",
+                                   self.policy_version)
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
         finally:
             self.model.eval()
-        stats.update({"train/loss": float(np.mean(losses)), "train/grad_norm": float(np.mean(norms))})
-        for key in extra[0]:
-            stats[key] = float(np.mean([s[key] for s in extra]))
+        stats = {**_NO_UPDATE, **stats, **acc.result()}
+        stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
         return stats
 
+    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, total: int, acc: "_StatsAccumulator") -> None:
+        """Forward + backward of one micro-batch, weighted so the minibatch loss is a token mean."""
+        logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
+                                  score_mask=batch.loss_mask)  # [B, L-1]
+        # one minibatch: these weights are the proximal policy, so this forward is the recompute
+        prox_lp = logprobs.detach() if prox is None else prox
+        loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
+                               eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap)
+        (loss * (batch.num_tokens / total)).backward()
+        acc.add({"loss": float(loss.detach()), **s}, batch.num_tokens)
+
+    def _clip_grads(self) -> float:
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
     def _split(self, trajs: list[Trajectory], adv: torch.Tensor) -> list[list[Batch]]:
-        """Minibatches (whole groups together when possible), each a list of micro-batches."""
-        n = max(1, min(self.cfg.minibatches, len(trajs)))
-        chunks = np.array_split(np.arange(len(trajs)), n)
+        """Minibatches (a seeded random split of the trajectories), each a list of micro-batches."""
+        n = min(self.cfg.minibatches, len(trajs))
+        order = self._rng.permutation(len(trajs)) if n > 1 else np.arange(len(trajs))
         out = []
-        for chunk in chunks:
+        for chunk in np.array_split(order, n):
             sub = [trajs[i] for i in chunk]
-            micros = micro_batches(sub, self.cfg.micro_batch_tokens)
-            out.append([collate(trajs, adv, [int(chunk[j]) for j in idx]) for idx in micros])
+            out.append([collate(trajs, adv, [int(chunk[j]) for j in idx]).to(self.device)
+                        for idx in micro_batches(sub, self.cfg.micro_batch_tokens)])
         return out
 
     def _staleness(self, minibatches: list[list[Batch]]) -> dict[str, float]:
-        lags = []
-        for micros in minibatches:
-            for b in micros:
-                trained = b.loss_mask.bool()
-                lags.append((self.policy_version - b.versions[trained]).float())
-        lag = torch.cat(lags) if lags else torch.zeros(1)
-        return {"train/staleness_max": int(lag.max()) if lag.numel() else 0,
+        """How many versions behind the current weights each trained token was sampled."""
+        lags = [(self.policy_version - b.versions[b.loss_mask.bool()]).float().cpu()
+                for micros in minibatches for b in micros]
+        lag = torch.cat(lags) if lags else torch.zeros(0)
+        return {"train/staleness_max": float(lag.max()) if lag.numel() else 0.0,
                 "train/staleness_mean": float(lag.mean()) if lag.numel() else 0.0,
-                "train/num_tokens": int(lag.numel())}
+                "train/num_tokens": float(lag.numel())}
 
     @torch.no_grad()
     def _prox_logprobs(self, minibatches: list[list[Batch]]) -> list[list[torch.Tensor]]:
-        return [[token_logprobs(self.model, b.input_ids, b.attention_mask, self.temperature) for b in micros]
-                for micros in minibatches]
+        """Log-probs of every micro-batch under the weights at the start of the step."""
+        return [[token_logprobs(self.model, b.input_ids, b.attention_mask, self.temperature,
+                                score_mask=b.loss_mask) for b in micros] for micros in minibatches]
+
+
+class _StatsAccumulator:
+    """Token-weighted means of per-micro-batch stats (maxima for `*_max` keys), prefixed `train/`."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+        self.tokens = 0
+        self.norms: list[float] = []
+
+    def add(self, stats: dict[str, float], num_tokens: int) -> None:
+        self.tokens += num_tokens
+        for key, value in stats.items():
+            if key.endswith("_max"):
+                self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * num_tokens
+
+    def add_grad_norm(self, norm: float) -> None:
+        self.norms.append(norm)
+
+    def result(self) -> dict[str, float]:
+        out = {f"train/{k}": v / max(1, self.tokens) for k, v in self.sums.items()}
+        out.update({f"train/{k}": v for k, v in self.maxes.items()})
+        out["train/grad_norm"] = float(np.mean(self.norms)) if self.norms else 0.0
+        return out

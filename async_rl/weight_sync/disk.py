@@ -1,45 +1,131 @@
 """Publish trainer weights as safetensors files; optionally ship the bytes inside a queue message.
 
-`disk`: the trainer writes `weights_v{version}.safetensors` and only the path travels
+`disk`: the trainer writes `weights_v{version:06d}.safetensors` and only the path travels
 (rollout and trainer share a file system). `zmq`: the same file's bytes travel in the
-control message and the rollout side writes them into its own directory, so the two
-sides need no shared directory.
+control message (`ZmqWeightPayload`) and the rollout side writes them into its own
+directory, so the two sides need no shared directory.
+
+Files are written under a temporary name and renamed, so a reader never sees half a
+file. Tensors that are one tensor in the model (a tied embedding and LM head) are
+stored once; the other names are recorded in the file's metadata (`aliases`) and
+`load_weights` restores them, so `model.load_state_dict(load_weights(path))` works
+strictly. A reader that ignores the metadata (the engine) gets one name per tied pair.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^weights_v(\d+)\.safetensors$")
+
+
+def weights_filename(version: int) -> str:
+    return f"weights_v{version:06d}.safetensors"
+
+
+def _dedup(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(CPU contiguous tensors sharing no storage, {dropped name: kept name} for identical tensors)."""
+    kept: dict[tuple, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}]: expected a tensor, got {type(t).__name__}")
+        t = t.detach()
+        key = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in kept:
+            aliases[name] = kept[key]
+            continue
+        kept[key] = name
+        tensors[name] = t
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.to("cpu")
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+        if not whole or storage.data_ptr() in seen:  # a view of something else: give it its own bytes
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(storage.data_ptr())
+        tensors[name] = t
+    return tensors, aliases
+
+
+def _atomic_write_bytes(out: Path, blob: bytes) -> None:
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp.write_bytes(blob)
+    os.replace(tmp, out)
+
+
+def _prune(directory: Path, version: int, keep_last: int) -> None:
+    """Remove weight files more than `keep_last` versions older than `version`."""
+    for f in directory.iterdir():
+        m = _NAME.match(f.name)
+        if m and int(m.group(1)) <= version - keep_last:
+            f.unlink(missing_ok=True)
+
+
+def _check_keep_last(keep_last: int) -> int:
+    if keep_last < 1:
+        raise ValueError(f"weight_sync.keep_last: must be >= 1, got {keep_last}")
+    return keep_last
 
 
 class DiskWeightPublisher:
-    """Writes one file per version atomically and keeps the newest `keep_last`."""
+    """Writes one file per version atomically into `dir` and keeps the newest `keep_last` versions."""
 
     def __init__(self, dir: str | Path, keep_last: int = 2):
         self.dir = Path(dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.keep_last = max(1, keep_last)
+        self.keep_last = _check_keep_last(keep_last)
 
     def path_for(self, version: int) -> Path:
-        return self.dir / f"weights_v{version:06d}.safetensors"
+        return self.dir / weights_filename(version)
 
-    def publish(self, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+    def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
+        """Write `state_dict` as version `version`; return the message telling readers where it is."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version: must be an integer >= 0, got {version!r}")
+        tensors, aliases = _dedup(state_dict)
         out = self.path_for(version)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        plain = {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}
-        save_file(plain, str(tmp), metadata={"policy_version": str(version)})
-        tmp.replace(out)
-        for old in sorted(self.dir.glob("weights_v*.safetensors"))[:-self.keep_last]:
-            old.unlink(missing_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"policy_version": str(version), "aliases": json.dumps(aliases)})
+        os.replace(tmp, out)
+        _prune(self.dir, version, self.keep_last)
+        logger.debug("published weights v%d to %s", version, out)
         return {"kind": "weights", "version": version, "path": str(out)}
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    """A full state_dict from a published file, tied names restored (sharing one tensor)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"weights file {str(p)!r} does not exist (pruned by keep_last, or never written?)")
+    state = load_file(str(p))
+    with safe_open(str(p), framework="pt") as fh:
+        meta = fh.metadata() or {}
+    for alias, name in json.loads(meta.get("aliases", "{}")).items():
+        state[alias] = state[name]
+    return state
+
+
+def weights_version(path: str | Path) -> int:
+    """The policy version recorded in a published file."""
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata() or {}
+    if "policy_version" not in meta:
+        raise ValueError(f"{path}: no policy_version in its metadata (not written by DiskWeightPublisher)")
+    return int(meta["policy_version"])
 
 
 class ZmqWeightPayload:
@@ -51,12 +137,24 @@ class ZmqWeightPayload:
 
     @staticmethod
     def write_received(blob: bytes, dir: str | Path, version: int, keep_last: int = 2) -> Path:
-        d = Path(dir)
+        """Write a received file as `dir/weights_v{version}.safetensors` (atomically); return its path."""
+        _check_safetensors(blob)
+        d = Path(dir).resolve()
         d.mkdir(parents=True, exist_ok=True)
-        out = d / f"weights_v{version:06d}.safetensors"
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        tmp.write_bytes(blob)
-        tmp.replace(out)
-        for old in sorted(d.glob("weights_v*.safetensors"))[:-max(1, keep_last)]:
-            old.unlink(missing_ok=True)
+        out = d / weights_filename(version)
+        _atomic_write_bytes(out, blob)
+        _prune(d, version, _check_keep_last(keep_last))
         return out
+
+
+def _check_safetensors(blob: bytes) -> None:
+    """Raise ValueError unless `blob` starts like a safetensors file (length-prefixed JSON header)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) < 8:
+        raise ValueError("weights blob: too short to be a safetensors file")
+    n = int.from_bytes(bytes(blob[:8]), "little")
+    if n <= 0 or 8 + n > len(blob):
+        raise ValueError(f"weights blob: header length {n} does not fit in {len(blob)} bytes")
+    try:
+        json.loads(bytes(blob[8:8 + n]))
+    except ValueError:
+        raise ValueError("weights blob: header is not JSON; not a safetensors file") from None

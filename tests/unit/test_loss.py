@@ -1,0 +1,151 @@
+"""The decoupled PPO loss against hand computations, its clipping, cap and masking, and its gradient."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss
+
+EPS, CAP = 0.2, 5.0
+
+
+def _t(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def _loss(logprobs, prox, behav, adv, mask, eps=EPS, cap=CAP):
+    return decoupled_ppo_loss(logprobs, prox, behav, adv, mask, eps_clip=eps, behav_weight_cap=cap)
+
+
+def _reference(lp, prox, behav, adv, mask, eps, cap):
+    """The formula of DESIGN.md written out token by token in plain Python."""
+    total, n = 0.0, 0
+    for t in range(len(lp)):
+        if not mask[t]:
+            continue
+        r = math.exp(lp[t] - prox[t])
+        w = min(math.exp(prox[t] - behav[t]), cap)
+        total += -w * min(r * adv[t], min(max(r, 1 - eps), 1 + eps) * adv[t])
+        n += 1
+    return total / max(n, 1)
+
+
+def test_matches_hand_computation():
+    lp = _t([-1.0, -2.0, -0.5, -3.0])
+    prox = _t([-1.1, -1.5, -0.5, -3.0])
+    behav = _t([-1.2, -1.5, -0.9, -2.0])
+    adv = _t([1.0, -0.5, 2.0, 1.0])
+    mask = _t([1, 1, 1, 0])
+    loss, stats = _loss(lp, prox, behav, adv, mask)
+    # token 0: r = e^0.1 = 1.105 (inside the clip), w = e^0.1;   term = -e^0.1 * e^0.1 * 1
+    # token 1: r = e^-0.5 = 0.607, A < 0 -> min(-0.303, -0.4) = -0.4 (clipped); w = 1; term = 0.4
+    # token 2: r = 1, w = e^0.4 = 1.492;                          term = -1.492 * 2
+    expected = (-math.exp(0.2) + 0.4 - 2 * math.exp(0.4)) / 3
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)
+    assert stats["clip_frac"] == pytest.approx(1 / 3)
+    assert stats["behav_weight_max"] == pytest.approx(math.exp(0.4), rel=1e-5)
+    assert stats["behav_capped_frac"] == 0.0
+    assert stats["ratio_mean"] == pytest.approx((math.exp(0.1) + math.exp(-0.5) + 1) / 3, rel=1e-5)
+    kl = [(math.exp(x) - 1 - x) for x in (0.1, -0.5, 0.0)]
+    assert stats["approx_kl"] == pytest.approx(sum(kl) / 3, rel=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_matches_reference_on_random_inputs(seed):
+    g = np.random.default_rng(seed)
+    T = 7
+    lp, prox, behav = (g.normal(-2.0, 1.0, T) for _ in range(3))
+    adv = g.normal(0.0, 1.0, T)
+    mask = g.integers(0, 2, T)
+    eps, cap = float(g.uniform(0.05, 0.5)), float(g.uniform(1.0, 10.0))
+    loss, _ = _loss(*(torch.tensor(x, dtype=torch.float64)[None] for x in (lp, prox, behav, adv, mask)),
+                    eps=eps, cap=cap)
+    assert float(loss.detach()) == pytest.approx(_reference(lp, prox, behav, adv, mask, eps, cap), rel=1e-9, abs=1e-12)
+
+
+def _grad(lp_value, adv_value, prox_value=0.0):
+    lp = torch.tensor([[lp_value]], requires_grad=True)
+    loss, stats = _loss(lp, _t([prox_value]), _t([prox_value]), _t([adv_value]), _t([1.0]))
+    loss.backward()
+    return float(loss.detach()), float(lp.grad), stats
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_clipping_stops_the_gradient_only_beyond_the_trust_region(adv):
+    beyond = math.log(1 + 2 * EPS) if adv > 0 else math.log(1 - 2 * EPS)  # moved too far in A's direction
+    loss, grad, stats = _grad(beyond, adv)
+    assert grad == 0.0 and stats["clip_frac"] == 1.0
+    assert loss == pytest.approx(-(1 + EPS) * adv if adv > 0 else -(1 - EPS) * adv)
+    against = math.log(1 - 2 * EPS) if adv > 0 else math.log(1 + 2 * EPS)  # moved against A: never clipped
+    loss, grad, stats = _grad(against, adv)
+    assert grad != 0.0 and stats["clip_frac"] == 0.0
+    assert loss == pytest.approx(-math.exp(against) * adv, rel=1e-6)
+
+
+def test_behaviour_weight_is_capped_and_detached():
+    behav = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    prox = torch.tensor([[-1.0 + math.log(10.0), -1.0 + math.log(2.0)]], requires_grad=True)
+    lp = prox.detach().clone().requires_grad_(True)  # r = 1
+    loss, stats = _loss(lp, prox, behav, _t([1.0, 1.0]), _t([1, 1]), cap=5.0)
+    assert float(loss.detach()) == pytest.approx(-(5.0 + 2.0) / 2, rel=1e-6)
+    assert stats["behav_capped_frac"] == 0.5
+    assert stats["behav_weight_max"] == pytest.approx(10.0, rel=1e-5)
+    assert stats["behav_weight_mean"] == pytest.approx(6.0, rel=1e-5)
+    loss.backward()
+    assert behav.grad is None and prox.grad is None
+    assert torch.allclose(lp.grad, _t([-5.0, -2.0]) / 2)
+
+
+def test_masked_tokens_contribute_nothing():
+    lp = torch.tensor([[-1.1, 50.0, -0.3]], requires_grad=True)
+    prox = _t([-1.2, float("inf"), -0.5])
+    behav = _t([-1.1, -float("inf"), -0.4])
+    adv = _t([1.5, float("nan"), -0.7])
+    loss, stats = _loss(lp, prox, behav, adv, _t([1, 0, 1]))
+    loss.backward()
+    assert torch.isfinite(loss) and lp.grad[0, 1] == 0.0
+    assert torch.isfinite(lp.grad).all() and (lp.grad[0, [0, 2]] != 0).all()
+    keep = [0, 2]
+    sub, sub_stats = _loss(lp.detach()[:, keep], prox[:, keep], behav[:, keep], adv[:, keep], _t([1, 1]))
+    assert float(loss.detach()) == pytest.approx(float(sub))
+    assert stats == pytest.approx(sub_stats)
+
+
+def test_on_policy_reduces_to_minus_mean_advantage():
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, 5, generator=g)
+    adv = torch.randn(3, 5, generator=g)
+    mask = (torch.rand(3, 5, generator=g) > 0.3).float()
+    loss, stats = _loss(lp, lp, lp, adv, mask)
+    assert float(loss.detach()) == pytest.approx(float(-(adv * mask).sum() / mask.sum()), rel=1e-6)
+    assert stats["ratio_mean"] == pytest.approx(1.0) and stats["behav_weight_mean"] == pytest.approx(1.0)
+    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_gradient_step_raises_logprob_of_positive_advantage_tokens():
+    lp = torch.tensor([[-2.0, -2.0, -2.0]], requires_grad=True)
+    adv = _t([1.0, -1.0, 0.0])
+    loss, _ = _loss(lp, lp.detach(), lp.detach(), adv, _t([1, 1, 1]))
+    loss.backward()
+    stepped = lp.detach() - 0.1 * lp.grad  # one step of gradient descent on the loss
+    assert stepped[0, 0] > lp[0, 0] and stepped[0, 1] < lp[0, 1] and stepped[0, 2] == lp[0, 2]
+
+
+def test_huge_ratio_stays_finite():
+    loss, grad, _ = _grad(500.0, -1.0)
+    assert math.isfinite(loss) and math.isfinite(grad)
+
+
+def test_bad_arguments_and_registry():
+    with pytest.raises(ValueError, match="advantages"):
+        _loss(_t([0.0, 0.0]), _t([0.0, 0.0]), _t([0.0, 0.0]), _t([1.0]), _t([1, 1]))
+    with pytest.raises(ValueError, match="eps_clip"):
+        _loss(_t([0.0]), _t([0.0]), _t([0.0]), _t([1.0]), _t([1]), eps=0.0)
+    assert get_loss("decoupled_ppo") is decoupled_ppo_loss and "decoupled_ppo" in LOSSES
+    with pytest.raises(ValueError, match="available: decoupled_ppo"):
+        get_loss("nope")

@@ -1,0 +1,107 @@
+"""Disk weight publishing: a published file loads into a fresh model with identical outputs,
+tied weights are stored once, old versions are pruned, and the bytes survive a trip through a message."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, load_model
+
+from async_rl.config import ModelConfig
+from async_rl.models import build_tiny_tokenizer, load_model as load_async_rl_model
+from async_rl.protocols import WeightPublisher
+from async_rl.weight_sync.disk import DiskWeightPublisher, ZmqWeightPayload, load_weights, weights_version
+
+ALPHABET = "0123456789+= "
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer(ALPHABET)
+
+
+def _model(tok, seed):
+    return load_async_rl_model(ModelConfig(tiny_alphabet=ALPHABET), seed=seed, tokenizer=tok)
+
+
+def _logits(model):
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _perturbed(tok):
+    """A model whose weights differ from any freshly built one (as after training)."""
+    model = _model(tok, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def test_publish_then_load_into_a_fresh_model_gives_identical_outputs(tok, tmp_path):
+    torch.manual_seed(0)
+    trained = _perturbed(tok)
+    publisher: WeightPublisher = DiskWeightPublisher(str(tmp_path / "w"))
+    msg = publisher.publish(trained.state_dict(), 3)
+    assert msg == {"kind": "weights", "version": 3, "path": str((tmp_path / "w" / "weights_v000003.safetensors"))}
+    assert os.path.isabs(msg["path"]) and weights_version(msg["path"]) == 3
+
+    fresh = _model(tok, seed=1)
+    assert not torch.allclose(_logits(fresh), _logits(trained))
+    fresh.load_state_dict(load_weights(msg["path"]), strict=True)
+    assert torch.equal(_logits(fresh), _logits(trained))
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied
+
+    other = _model(tok, seed=2)  # a reader that knows nothing of our metadata (safetensors' own loader)
+    load_model(other, msg["path"], strict=True)
+    assert torch.equal(_logits(other), _logits(trained))
+
+
+def test_tied_weights_are_stored_once(tok, tmp_path):
+    model = _model(tok, seed=0)
+    path = DiskWeightPublisher(tmp_path).publish(model.state_dict(), 0)["path"]
+    raw = load_file(path)
+    assert "model.embed_tokens.weight" in raw and "lm_head.weight" not in raw
+    full = load_weights(path)
+    assert set(full) == set(model.state_dict())
+    assert full["lm_head.weight"] is full["model.embed_tokens.weight"]
+
+
+def test_views_sharing_storage_and_non_contiguous_tensors(tmp_path):
+    base = torch.arange(12.0)
+    state = {"a": base[:6], "b": base[6:], "c": torch.arange(6.0).reshape(2, 3).t(), "d": base}
+    path = DiskWeightPublisher(tmp_path).publish(state, 1)["path"]
+    back = load_weights(path)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_keep_last_prunes_older_versions(tmp_path):
+    publisher = DiskWeightPublisher(tmp_path, keep_last=2)
+    for v in range(1, 6):
+        publisher.publish({"w": torch.full((3,), float(v))}, v)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["weights_v000004.safetensors", "weights_v000005.safetensors"]
+    assert torch.equal(load_weights(tmp_path / names[-1])["w"], torch.full((3,), 5.0))
+    with pytest.raises(ValueError, match="keep_last"):
+        DiskWeightPublisher(tmp_path, keep_last=0)
+    with pytest.raises(FileNotFoundError, match="pruned"):
+        load_weights(tmp_path / "weights_v000001.safetensors")
+
+
+def test_weights_travel_as_bytes(tok, tmp_path):
+    torch.manual_seed(1)
+    trained = _perturbed(tok)
+    msg = DiskWeightPublisher(tmp_path / "trainer").publish(trained.state_dict(), 7)
+    blob = ZmqWeightPayload.to_bytes(msg["path"])
+    received = tmp_path / "rollout"
+    for v in (5, 6, 7):
+        out = ZmqWeightPayload.write_received(blob, received, v, keep_last=2)
+    assert out == received / "weights_v000007.safetensors"
+    assert sorted(p.name for p in received.iterdir()) == ["weights_v000006.safetensors", "weights_v000007.safetensors"]
+    fresh = _model(tok, seed=3)
+    fresh.load_state_dict(load_weights(out))
+    assert torch.equal(_logits(fresh), _logits(trained))
+    with pytest.raises(ValueError, match="weights blob"):
+        ZmqWeightPayload.write_received(b"not a safetensors file", received, 8)
+    assert not (received / "weights_v000008.safetensors").exists()
