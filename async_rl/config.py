@@ -56,6 +56,7 @@ class TaskConfig:
     max_operand: int = 4  # largest operand
     ops: list[str] = field(default_factory=lambda: ["+"])  # operators to draw from
     prompt_format: str = "raw"  # raw ("2+3=") | chat (a question through the chat template)
+    answer_pick: str = "last"  # which number of the response is the answer: last ("2+3=5") | first
     eval_size: int = 64  # held-out problems for greedy accuracy before/after training
     eval_seed: int = 12345  # seed of the held-out set (disjoint stream from training)
 
@@ -131,6 +132,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "mode": ("async", "sync"),
     "model.dtype": ("float32", "bfloat16"),
     "task.prompt_format": ("raw", "chat"),
+    "task.answer_pick": ("last", "first"),
     "weight_sync.transport": ("disk", "zmq"),
     "log.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }

@@ -42,6 +42,7 @@ class TrajectorySink(Protocol):
     async def put_group(self, trajectories: list[Trajectory]) -> None: ...
 
 
+@runtime_checkable
 class WeightPublisher(Protocol):
     """Makes a trainer's weights of one version available to the rollout side."""
 

@@ -17,9 +17,15 @@ def last_number(text: str) -> str | None:
     return found[-1] if found else None
 
 
-def exact_number_reward(response: str, answer: str) -> float:
-    """1.0 when the last number in the response equals the reference answer, else 0.0."""
-    got = last_number(response)
+def first_number(text: str) -> str | None:
+    """The first number written in `text` (thousands separators removed), or None."""
+    found = _NUMBER.search(text.replace(",", ""))
+    return found.group(0) if found else None
+
+
+def exact_number_reward(response: str, answer: str, pick: str = "last") -> float:
+    """1.0 when the last (or first) number in the response equals the reference answer, else 0.0."""
+    got = last_number(response) if pick == "last" else first_number(response)
     if got is None:
         return 0.0
     try:

@@ -51,4 +51,4 @@ class ArithTask:
         return [self._make(rng, f"eval-{i}") for i in range(self.cfg.eval_size)]
 
     def reward(self, sample: Sample, response_text: str) -> float:
-        return exact_number_reward(response_text, sample.answer)
+        return exact_number_reward(response_text, sample.answer, self.cfg.answer_pick)

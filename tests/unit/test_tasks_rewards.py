@@ -41,3 +41,11 @@ def test_chat_format_and_bad_task():
         build_task(TaskConfig(name="chess"))
     with pytest.raises(ValueError, match="task.ops"):
         build_task(TaskConfig(ops=["^"]))
+
+
+def test_first_number_pick():
+    assert exact_number_reward("5+3=", "5", pick="first") == 1.0
+    assert exact_number_reward("5+3=", "5", pick="last") == 0.0
+    task = build_task(TaskConfig(answer_pick="first"))
+    s = task.eval_samples()[0]
+    assert task.reward(s, s.answer + "+9") == 1.0
