@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # "tiny" (built in-process), "smollm2-135m" (offline GGUF), or an HF checkpoint dir
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "float32"  # float32 | bfloat16: the generation engine's weights (the trainer keeps fp32)
     # The tiny model and its character tokenizer (used when name == "tiny").
     tiny_alphabet: str = "0123456789+= "  # characters of the tiny tokenizer, besides its special tokens
     tiny_hidden: int = 64  # hidden size of the tiny model
@@ -87,6 +87,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # token budget of one forward/backward
     adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
     checkpoint_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
+    compute_dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
 
 
@@ -131,6 +132,7 @@ class Config:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "mode": ("async", "sync"),
     "model.dtype": ("float32", "bfloat16"),
+    "trainer.compute_dtype": ("float32", "bfloat16"),
     "task.prompt_format": ("raw", "chat"),
     "task.answer_pick": ("last", "first"),
     "weight_sync.transport": ("disk", "zmq"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -54,7 +55,8 @@ def trainer_main(cfg: Config) -> None:
     torch.set_num_threads(effective_threads(cfg.trainer.num_threads, cfg.mode))
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.run_dir)
-    model = load_model(cfg.model, seed=cfg.seed)
+    # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
+    model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed)
     trainer = PPOTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature,
                          max_staleness=0 if cfg.mode == "sync" else cfg.max_staleness, seed=cfg.seed)
     publisher = DiskWeightPublisher(str(run_dir / "weights"), keep_last=cfg.weight_sync.keep_last)

@@ -16,6 +16,7 @@ and the rollout side's staleness gate admits new prompts only as it grows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -144,14 +145,21 @@ class PPOTrainer:
 
     def _accumulate(self, batch: Batch, prox: torch.Tensor | None, total: int, acc: "_StatsAccumulator") -> None:
         """Forward + backward of one micro-batch, weighted so the minibatch loss is a token mean."""
-        logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
-                                  score_mask=batch.loss_mask)  # [B, L-1]
+        with self._autocast():
+            logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
+                                      score_mask=batch.loss_mask)  # [B, L-1]
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
         prox_lp = logprobs.detach() if prox is None else prox
         loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
                                eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap)
         (loss * (batch.num_tokens / total)).backward()
         acc.add({"loss": float(loss.detach()), **s}, batch.num_tokens)
+
+    def _autocast(self):
+        """bf16 compute with fp32 master weights when trainer.compute_dtype is bfloat16."""
+        if self.cfg.compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=getattr(torch, self.cfg.compute_dtype))
 
     def _clip_grads(self) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
@@ -180,8 +188,9 @@ class PPOTrainer:
     @torch.no_grad()
     def _prox_logprobs(self, minibatches: list[list[Batch]]) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the weights at the start of the step."""
-        return [[token_logprobs(self.model, b.input_ids, b.attention_mask, self.temperature,
-                                score_mask=b.loss_mask) for b in micros] for micros in minibatches]
+        with self._autocast():
+            return [[token_logprobs(self.model, b.input_ids, b.attention_mask, self.temperature,
+                                    score_mask=b.loss_mask) for b in micros] for micros in minibatches]
 
 
 class _StatsAccumulator:
