@@ -15,7 +15,7 @@ from async_rl.models import load_tokenizer
 from async_rl.rollout.controller import RolloutController
 from async_rl.rollout.evaluate import evaluate
 from async_rl.tasks import build_task
-from async_rl.transport.queue import TrajectoryQueueClient
+from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.disk import ZmqWeightPayload
 from launch.procs import start_server, stop_all

@@ -31,7 +31,8 @@ def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
     silent_since: float | None = None
     while True:
         try:
-            return queue.get_groups(cfg.trainer.batch_size, timeout=cfg.transport.heartbeat_s)
+            # acknowledged only once trained and published: a trainer crash mid-step loses nothing
+            return queue.get_groups(cfg.trainer.batch_size, timeout=cfg.transport.heartbeat_s, ack=False)
         except QueueTimeout:
             live = queue.stats().get("queue/producers", 0)
             if live:
@@ -77,6 +78,7 @@ def trainer_main(cfg: Config) -> None:
             if cfg.weight_sync.transport == "zmq":
                 msg["blob"] = ZmqWeightPayload.to_bytes(msg["path"])
             queue.broadcast(msg)
+            queue.ack([t.id for g in groups for t in g])
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
                           "timing/publish_s": time.perf_counter() - t1, "timing/step_s": time.perf_counter() - t0})

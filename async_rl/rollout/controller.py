@@ -70,6 +70,7 @@ class RolloutController:
         self.trajectories_pushed = 0
         self.interrupted = 0
         self._stop = asyncio.Event()
+        self._error: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
 
@@ -103,7 +104,7 @@ class RolloutController:
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            logger.error("rollout group failed: %r", task.exception())
+            logger.error("rollout task failed: %r", task.exception())
             self._error = task.exception()
             self._stop.set()
 
@@ -147,10 +148,11 @@ class RolloutController:
 
     async def run(self, seed: int) -> None:
         """Produce groups until the trainer says stop (or the control channel closes)."""
-        self._error: BaseException | None = None
         samples = self.task.train_samples(seed)
         admit = asyncio.create_task(self._admit_loop(samples))
         control = asyncio.create_task(self._control_loop())
+        for task in (admit, control):
+            task.add_done_callback(self._done)
         await self._stop.wait()
         admit.cancel()
         control.cancel()

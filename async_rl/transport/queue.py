@@ -1,332 +1,413 @@
-"""The trajectory queue: ZeroMQ ROUTER (trainer) <-> DEALER (rollout), msgpack frames.
+"""The trajectory queue between rollout (producers) and trainer: ZeroMQ DEALER -> ROUTER.
 
-Flow control is credit based and exact. The trainer buffers at most `capacity`
-trajectories, counting those it has allowed producers to send but not yet received;
-it returns a credit only when the training loop consumes a trajectory, acknowledging
-its id in the same message. A slow trainer therefore blocks producers (backpressure)
-and nothing is ever dropped. Producers keep sent-but-unacknowledged trajectories until
-they are acknowledged; the trainer drops (and counts) a trajectory id it has already
-received, so a re-send after a reconnect is never trained twice.
+Flow control is credit based and exact. The trainer holds at most `capacity`
+trajectories counting everything it has promised room for: buffered, handed to the
+training loop but not yet acknowledged, and credits granted to producers but not yet
+used. A producer asks for what it needs to send its next group (its `want`); the
+trainer grants credits, first come first served and all at once for a group, only from
+free room; room frees only when the training loop consumes a trajectory. A slow trainer
+therefore blocks `put_group` (backpressure) and nothing is dropped.
 
-Frames are `[kind, payload]` (plus the ROUTER identity on the trainer side). Rollout ->
-trainer: HELLO, GROUP, HB, BYE. Trainer -> rollout: WELCOME, CREDIT, CONTROL, HB.
-The trainer's socket lives in one background thread; the training loop talks to it
-through thread-safe methods.
+Delivery is at least once on the wire and exactly once into training: a producer keeps
+every trajectory until the trainer acknowledges it (CREDIT.acks) and re-sends what is
+unacknowledged when it starts a new session (the trainer restarted, or timed it out);
+the trainer drops ids it has already received and counts them (`queue/duplicates`).
+
+Example (trainer side; the rollout side runs `TrajectoryQueueClient` from `client.py`):
+
+    server = TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=64)
+    print(server.address)                     # tcp://127.0.0.1:<port>, give it to producers
+    groups = server.get_groups(32, timeout=60) # whole groups, >= 32 trajectories, acknowledged
+    server.broadcast({"kind": "weights", "version": 1, "path": "/w/v1.safetensors"})
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue as thread_queue
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
-from async_rl.transport.codec import decode, encode
-from async_rl.types import Trajectory, WireFormatError, new_id
+from async_rl.transport.codec import encode
+from async_rl.transport.messages import (
+    CONTROL, TO_TRAINER, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
+    TrainerHeartbeat, Welcome, pack, unpack)
+from async_rl.types import Trajectory, WireFormatError
 
 logger = logging.getLogger(__name__)
 
-HELLO, GROUP, HB, BYE = b"HELLO", b"GROUP", b"HB", b"BYE"
-WELCOME, CREDIT, CONTROL = b"WELCOME", b"CREDIT", b"CONTROL"
-
 
 class QueueTimeout(TimeoutError):
-    """No full batch arrived in time."""
+    """What the training loop waited for did not arrive in time."""
 
 
 class PeerUnreachableError(ConnectionError):
-    """Nothing answered at the address."""
+    """Nothing answered at the trainer's address."""
 
 
 class PeerTimeoutError(ConnectionError):
-    """The peer stopped answering."""
+    """The trainer stopped answering (no message for peer_timeout_s)."""
 
 
-def _bind_addr(addr: str) -> str:
-    return addr[:-2] + ":*" if addr.startswith("tcp://") and addr.endswith(":0") else addr
+def _check_addr(addr: str) -> str:
+    if not isinstance(addr, str) or not addr.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"transport.addr: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {addr!r}")
+    return addr
+
+
+def _check_timing(heartbeat_s: float, peer_timeout_s: float) -> None:
+    if not heartbeat_s > 0:
+        raise ValueError(f"transport.heartbeat_s: must be > 0, got {heartbeat_s}")
+    if not peer_timeout_s > heartbeat_s:
+        raise ValueError(f"transport.peer_timeout_s: must exceed heartbeat_s ({heartbeat_s}), got {peer_timeout_s}")
+
+
+class _RecentIds:
+    """The last `limit` trajectory ids received: a bounded set for dropping re-sent duplicates."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._set: set[str] = set()
+        self._order: deque[str] = deque()
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._set
+
+    def add(self, tid: str) -> None:
+        self._set.add(tid)
+        self._order.append(tid)
+        if len(self._order) > self.limit:
+            self._set.discard(self._order.popleft())
 
 
 @dataclass
 class _Producer:
     identity: bytes
     name: str
-    credits: int = 0  # granted, not yet used
+    granted: int = 0  # credits granted in this session (cumulative)
+    received: int = 0  # trajectories received in this session (cumulative, duplicates included)
+    want: int = 0  # cumulative credits it needs to send its next group; waiting while want > granted
+    waiting_since: float = 0.0
     last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def held(self) -> int:
+        return max(0, self.granted - self.received)
 
 
 class TrajectoryQueueServer:
-    """Trainer side: receives groups, hands them to the training loop, returns credits."""
+    """Trainer side. One background thread owns the ROUTER socket; every public method is thread-safe.
 
-    def __init__(self, addr: str, capacity: int, *, heartbeat_s: float = 2.0, peer_timeout_s: float = 60.0):
-        if capacity <= 0:
-            raise ValueError(f"transport.capacity: must be > 0, got {capacity}")
-        self.capacity = capacity
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+    `get_groups` acknowledges what it returns unless called with `ack=False`; then the caller
+    acknowledges with `ack(ids)` (e.g. after the train step), and until then those trajectories
+    keep their room in `capacity`. For progress, `capacity` must be at least the largest
+    `num_trajectories` asked for plus one group less one trajectory (with equal groups and a
+    batch that is a multiple of the group size, capacity >= batch is enough).
+    """
+
+    def __init__(self, addr: str, capacity: int, *, heartbeat_s: float = 2.0, peer_timeout_s: float = 60.0,
+                 dedup_window: int = 1_000_000):
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"transport.capacity: must be an integer >= 1, got {capacity!r}")
+        _check_timing(heartbeat_s, peer_timeout_s)
+        self.capacity, self.heartbeat_s, self.peer_timeout_s = capacity, heartbeat_s, peer_timeout_s
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        for opt, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
+                           (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            self._sock.setsockopt(opt, value)
+        bind = _check_addr(addr)
+        if bind.startswith("tcp://") and bind.endswith(":0"):
+            bind = bind[:-2] + ":*"
         try:
-            self._sock.bind(_bind_addr(addr))
+            self._sock.bind(bind)
         except zmq.ZMQError as exc:
-            self._sock.close()
-            raise PeerUnreachableError(f"cannot bind the trajectory queue at {addr}: {exc}") from None
-        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._producers: dict[bytes, _Producer] = {}
+            self._sock.close(0)
+            raise OSError(f"transport.addr: cannot bind the trajectory queue at {addr}: {exc}") from None
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # shared with the training loop, under _cond
+        self._cond = threading.Condition()
         self._buffer: deque[list[Trajectory]] = deque()
         self._buffered = 0
-        self._cond = threading.Condition()
-        self._outbox: thread_queue.Queue = thread_queue.Queue()
-        self._seen: set[str] = set()
+        self._handed: set[str] = set()  # given out by get_groups(ack=False), not yet acknowledged
+        self._counts = dict.fromkeys(("queue/received", "queue/groups", "queue/consumed", "queue/producers",
+                                      "queue/credits_out", "queue/duplicates", "queue/malformed", "queue/overrun",
+                                      "queue/unknown_peer", "queue/lost_producers", "queue/send_failed"), 0)
+        self._error: BaseException | None = None
+        # owned by the socket thread
+        self._producers: dict[bytes, _Producer] = {}
         self._owner: dict[str, bytes] = {}  # trajectory id -> producer identity, until acknowledged
-        self._counts = {"queue/received": 0, "queue/duplicates": 0, "queue/malformed": 0, "queue/overrun": 0,
-                        "queue/lost_producers": 0}
+        self._seen = _RecentIds(dedup_window)
+        self._outbox: deque[tuple[str, Any]] = deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="trajectory-queue", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="trajectory-queue", daemon=True)
         self._thread.start()
+        logger.info("trajectory queue bound at %s (capacity %d)", self.address, capacity)
 
     # ------------------------------------------------------------------ training-loop side
-    def get_groups(self, num_trajectories: int, timeout: float | None = None) -> list[list[Trajectory]]:
-        """Whole groups, in arrival order, totalling >= num_trajectories; acknowledges them."""
+    def get_groups(self, num_trajectories: int, timeout: float | None = None, *,
+                   ack: bool = True) -> list[list[Trajectory]]:
+        """Whole groups in arrival order totalling >= num_trajectories; raises QueueTimeout."""
+        if not 1 <= num_trajectories <= self.capacity:
+            raise ValueError(f"get_groups: num_trajectories must be in [1, capacity={self.capacity}], "
+                             f"got {num_trajectories}")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._buffered < num_trajectories:
+                self._raise_if_stopped()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise QueueTimeout(f"{self._buffered}/{num_trajectories} trajectories after {timeout}s")
+                    raise QueueTimeout(f"trajectory queue at {self.address}: {self._buffered}/{num_trajectories} "
+                                       f"trajectories buffered after {timeout:g}s")
                 self._cond.wait(left)
             groups, taken = [], 0
             while taken < num_trajectories:
-                group = self._buffer.popleft()
-                groups.append(group)
-                taken += len(group)
+                groups.append(self._buffer.popleft())
+                taken += len(groups[-1])
             self._buffered -= taken
-        self._outbox.put(("ack", [t for g in groups for t in g]))
+            ids = [t.id for g in groups for t in g]
+            if ack:
+                self._counts["queue/consumed"] += taken
+            else:
+                self._handed.update(ids)
+        if ack:
+            self._post("ack", ids)
         return groups
 
-    def broadcast(self, control: dict[str, Any]) -> None:
-        """Send a CONTROL map to every connected producer (in order with other messages)."""
-        self._outbox.put(("control", encode(control)))
-
-    def stats(self) -> dict[str, float]:
+    def ack(self, ids: Iterable[str]) -> None:
+        """Acknowledge trajectories returned by get_groups(ack=False): frees their room, tells producers."""
+        ids = list(ids)
         with self._cond:
-            return {"queue/depth": self._buffered, "queue/producers": len(self._producers), **self._counts}
+            unknown = [i for i in ids if i not in self._handed]
+            if unknown:
+                raise ValueError(f"ack: trajectory {unknown[0]!r} was not handed out by get_groups(ack=False) "
+                                 "or is already acknowledged")
+            self._handed.difference_update(ids)
+            self._counts["queue/consumed"] += len(ids)
+        self._post("ack", ids)
+
+    def broadcast(self, control: dict[str, Any]) -> None:
+        """Send a CONTROL map (with a string "kind"; may hold a large bytes blob) to every producer."""
+        Control.from_wire(control)  # reject a map producers would reject, here, with the same message
+        self._post("control", encode(control))
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {"queue/depth": self._buffered, "queue/unacked": len(self._handed), **self._counts}
+
+    def wait_for_producer(self, timeout: float | None = None) -> None:
+        """Block until at least one producer has said HELLO; raises QueueTimeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._counts["queue/producers"] > 0 or self._error is not None
+                                       or self._closed.is_set(), timeout):
+                raise QueueTimeout(f"no producer connected to {self.address} within {timeout:g}s")
+            self._raise_if_stopped()
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
-        self._thread.join(5)
-        self._sock.close(0)
+        self._wake()
+        self._thread.join(10)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        with self._cond:
+            self._cond.notify_all()
+
+    def __enter__(self) -> "TrajectoryQueueServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _raise_if_stopped(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"trajectory queue thread failed: {self._error!r}")
+        if self._closed.is_set():
+            raise RuntimeError(f"trajectory queue at {self.address} is closed")
+
+    def _post(self, what: str, item: Any) -> None:
+        self._outbox.append((what, item))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # pipe full: the thread is already due to wake up
+            pass
 
     # ------------------------------------------------------------------ socket thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug here must not leave the training loop waiting forever
+            logger.exception("trajectory queue thread failed")
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+        finally:
+            self._sock.close(0)
+
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        last_hb = 0.0
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_hb = time.monotonic()
         while not self._closed.is_set():
-            if poller.poll(20):
-                while self._sock.poll(0):
-                    self._receive(self._sock.recv_multipart(copy=False))
-            self._drain_outbox()
-            now = time.monotonic()
-            if now - last_hb >= self.heartbeat_s:
-                last_hb = now
-                self._heartbeat(now)
+            events = dict(poller.poll(max(0, min(100, int((next_hb - time.monotonic()) * 1000)))))
+            if self._wake_r in events:
+                os.read(self._wake_r, 4096)
+            for _ in range(256):  # bounded, so acks and controls are not starved by a flood
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._receive(frames)
+            acks = self._drain_outbox()
+            self._grant_and_notify(acks)
+            if time.monotonic() >= next_hb:
+                self._heartbeat()
+                next_hb = time.monotonic() + self.heartbeat_s
 
-    def _receive(self, frames: list) -> None:
-        if len(frames) != 3:
-            self._counts["queue/malformed"] += 1
-            logger.warning("malformed message: %d frames", len(frames))
-            return
-        identity, kind, payload = frames[0].bytes, frames[1].bytes, frames[2].buffer
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
         try:
-            body = decode(payload)
-            self._handle(identity, kind, body)
-        except (WireFormatError, KeyError, TypeError, ValueError) as exc:
-            self._counts["queue/malformed"] += 1
-            logger.warning("malformed %s message from %r: %s", kind[:16], identity[:16], exc)
+            if len(frames) != 3:
+                raise WireFormatError(f"expected frames [kind, payload], got {len(frames) - 1} frames")
+            msg = unpack(frames[1].bytes, frames[2].buffer, TO_TRAINER)
+        except WireFormatError as exc:
+            self._count("queue/malformed")
+            logger.warning("malformed message from %r dropped: %s", identity[:40], exc)
+            return
+        self._handle(identity, msg)
 
-    def _handle(self, identity: bytes, kind: bytes, body: Any) -> None:
+    def _handle(self, identity: bytes, msg: Message) -> None:
         producer = self._producers.get(identity)
-        if producer is not None:
-            producer.last_seen = time.monotonic()
-        if kind == HELLO:
-            if producer is None:
-                producer = self._producers[identity] = _Producer(identity, str(body["producer_id"]))
-                logger.info("producer %s connected", producer.name)
-            producer.credits += self._free_credits()
-            self._send(identity, WELCOME, {"credits": producer.credits, "capacity": self.capacity})
-        elif kind == GROUP:
-            self._accept_group(identity, producer, body)
-        elif kind == BYE:
-            if self._producers.pop(identity, None) is not None:
-                logger.info("producer %s said goodbye", producer.name)
-        elif kind != HB:
-            raise ValueError(f"unknown message kind {kind[:16]!r}")
+        if isinstance(msg, Hello):
+            if producer is not None:
+                logger.info("producer %s starts a new session (its %d held credits are freed)",
+                            producer.name, producer.held)
+            self._producers[identity] = _Producer(identity, msg.producer_id)
+            self._set_producer_count()
+            logger.info("producer %s connected", msg.producer_id)
+            self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session))
+            return
+        if producer is None:  # we restarted or timed it out: it must say HELLO (and re-send) first
+            if not isinstance(msg, Bye):
+                self._count("queue/unknown_peer")
+                self._send(identity, TrainerHeartbeat(granted=0, registered=False))
+            return
+        producer.last_seen = time.monotonic()
+        if isinstance(msg, Group):
+            self._accept(producer, msg)
+        elif isinstance(msg, Heartbeat):
+            if msg.want > producer.granted and producer.want <= producer.granted:
+                producer.waiting_since = time.monotonic()
+            producer.want = msg.want
+        elif isinstance(msg, Bye):
+            del self._producers[identity]
+            self._set_producer_count()
+            logger.info("producer %s left%s", producer.name, f": {msg.reason}" if msg.reason else "")
 
-    def _accept_group(self, identity: bytes, producer: _Producer | None, body: Any) -> None:
-        trajs = [Trajectory.from_wire(d) for d in body["trajectories"]]
-        fresh = [t for t in trajs if t.id not in self._seen]
-        self._counts["queue/duplicates"] += len(trajs) - len(fresh)
-        if producer is not None:
-            if len(trajs) > producer.credits:
-                self._counts["queue/overrun"] += len(trajs) - producer.credits
-            producer.credits = max(0, producer.credits - len(trajs))
-        fresh_ids = {t.id for t in fresh}
-        dups = [t.id for t in trajs if t.id not in fresh_ids]
-        if dups and producer is not None:  # duplicates take no room: give their credit straight back
-            producer.credits += len(dups)
-            self._send(identity, CREDIT, {"credits": len(dups), "acks": dups})
+    def _accept(self, producer: _Producer, group: Group) -> None:
+        n = len(group.trajectories)
+        producer.received += n
+        if producer.received > producer.granted:
+            over = min(n, producer.received - producer.granted)
+            self._count("queue/overrun", over)
+            logger.warning("producer %s sent %d trajectories beyond its credits", producer.name, over)
+        fresh = [t for t in group.trajectories if t.id not in self._seen]
+        if len(fresh) < n:
+            dups = [t.id for t in group.trajectories if t.id in self._seen]
+            self._count("queue/duplicates", len(dups))
+            logger.info("dropped %d re-sent trajectories from %s", len(dups), producer.name)
+            self._send(producer.identity, Credit(granted=producer.granted, acks=tuple(dups)))
         if not fresh:
             return
-        self._seen.update(fresh_ids)
-        self._owner.update((tid, identity) for tid in fresh_ids)
+        for t in fresh:
+            self._seen.add(t.id)
+            self._owner[t.id] = producer.identity
         with self._cond:
             self._buffer.append(fresh)
             self._buffered += len(fresh)
             self._counts["queue/received"] += len(fresh)
+            self._counts["queue/groups"] += 1
+            self._counts["queue/credits_out"] = sum(p.held for p in self._producers.values())
             self._cond.notify_all()
 
-    def _free_credits(self) -> int:
-        with self._cond:
-            used = self._buffered + sum(p.credits for p in self._producers.values())
-        return max(0, self.capacity - used)
-
-    def _drain_outbox(self) -> None:
-        while True:
-            try:
-                what, item = self._outbox.get_nowait()
-            except thread_queue.Empty:
-                return
+    def _drain_outbox(self) -> dict[bytes, list[str]]:
+        """Send queued controls; return consumed ids to acknowledge, by producer."""
+        acks: dict[bytes, list[str]] = {}
+        while self._outbox:
+            what, item = self._outbox.popleft()
             if what == "control":
                 for identity in list(self._producers):
-                    self._sock.send_multipart([identity, CONTROL, item], copy=False)
-            elif what == "ack":
-                by_producer: dict[bytes, list[str]] = {}
-                for t in item:
-                    by_producer.setdefault(self._owner.pop(t.id), []).append(t.id)
-                for identity, ids in by_producer.items():
-                    producer = self._producers.get(identity)
-                    if producer is not None:
-                        producer.credits += len(ids)
-                        self._send(identity, CREDIT, {"credits": len(ids), "acks": ids})
-
-    def _heartbeat(self, now: float) -> None:
-        for identity, producer in list(self._producers.items()):
-            if now - producer.last_seen > self.peer_timeout_s:
-                logger.warning("producer %s silent for %.0fs: dropped", producer.name, now - producer.last_seen)
-                del self._producers[identity]
-                self._counts["queue/lost_producers"] += 1
+                    self._send_frames(identity, [CONTROL, item])
             else:
-                self._send(identity, HB, {})
+                for tid in item:
+                    identity = self._owner.pop(tid, None)
+                    if identity is not None and identity in self._producers:
+                        acks.setdefault(identity, []).append(tid)
+        return acks
 
-    def _send(self, identity: bytes, kind: bytes, body: dict) -> None:
-        self._sock.send_multipart([identity, kind, encode(body)])
+    def _grant_and_notify(self, acks: dict[bytes, list[str]]) -> None:
+        """Grant free room to waiting producers (oldest demand first, a whole group at a time)."""
+        with self._cond:
+            free = self.capacity - self._buffered - len(self._handed)
+        free -= sum(p.held for p in self._producers.values())
+        granted: set[bytes] = set()
+        for p in sorted((p for p in self._producers.values() if p.want > p.granted), key=lambda p: p.waiting_since):
+            need = p.want - p.granted
+            if p.want - p.received > self.capacity:
+                continue  # can never fit; the producer refuses such a group, so this is a confused peer
+            if need > free:
+                break
+            p.granted += need
+            free -= need
+            granted.add(p.identity)
+        if granted:
+            self._set_producer_count()
+        for identity in granted | set(acks):
+            self._send(identity, Credit(granted=self._producers[identity].granted, acks=tuple(acks.get(identity, ()))))
 
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for identity, p in list(self._producers.items()):
+            silent = now - p.last_seen
+            if silent > self.peer_timeout_s:
+                del self._producers[identity]
+                self._count("queue/lost_producers")
+                logger.warning("producer %s silent for %.0fs (peer_timeout_s=%g): dropped; its buffered "
+                               "trajectories stay, its %d unused credits are freed", p.name, silent,
+                               self.peer_timeout_s, p.held)
+            else:
+                self._send(identity, TrainerHeartbeat(granted=p.granted))
+        self._set_producer_count()
 
-class TrajectoryQueueClient:
-    """Rollout side (asyncio): sends whole groups when credits allow, receives control messages."""
+    def _send(self, identity: bytes, msg: Message) -> None:
+        self._send_frames(identity, pack(msg))
 
-    def __init__(self, addr: str, *, producer_id: str | None = None, heartbeat_s: float = 2.0,
-                 peer_timeout_s: float = 60.0):
-        self.addr = addr
-        self.producer_id = producer_id or new_id()[:12]
-        self.heartbeat_s = heartbeat_s
-        self.peer_timeout_s = peer_timeout_s
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IDENTITY, self.producer_id.encode())
-        self.credits = 0
-        self.unacked: dict[str, Trajectory] = {}
-        self._credit_event = asyncio.Event()
-        self._controls: asyncio.Queue = asyncio.Queue()
-        self._last_seen = time.monotonic()
-        self._tasks: list[asyncio.Task] = []
-        self._seq = 0
-
-    async def connect(self, timeout_s: float) -> None:
-        self._sock.connect(self.addr)
-        await self._sock.send_multipart([HELLO, encode({"producer_id": self.producer_id})])
-        if not await self._sock.poll(int(timeout_s * 1000)):
-            raise PeerUnreachableError(f"no trainer answered at {self.addr} within {timeout_s:.0f}s "
-                                       "(is `async-rl train` running with this transport.addr?)")
-        kind, payload = await self._sock.recv_multipart()
-        if kind != WELCOME:
-            raise PeerUnreachableError(f"unexpected first reply {kind[:16]!r} from {self.addr}")
-        self.credits = int(decode(payload)["credits"])
-        self._last_seen = time.monotonic()
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._hb_loop())]
-
-    async def put_group(self, trajectories: list[Trajectory]) -> None:
-        n = len(trajectories)
-        while self.credits < n:
-            self._credit_event.clear()
-            try:
-                await asyncio.wait_for(self._credit_event.wait(), self.heartbeat_s)
-            except asyncio.TimeoutError:
-                self._check_alive()
-        self.credits -= n
-        self._seq += 1
-        for t in trajectories:
-            self.unacked[t.id] = t
-        body = {"seq": self._seq, "trajectories": [t.to_wire() for t in trajectories]}
-        await self._sock.send_multipart([GROUP, encode(body)], copy=False)
-
-    async def controls(self) -> AsyncIterator[dict[str, Any]]:
-        while True:
-            item = await self._controls.get()
-            if item is None:
-                return
-            yield item
-
-    def _check_alive(self) -> None:
-        silent = time.monotonic() - self._last_seen
-        if silent > self.peer_timeout_s:
-            raise PeerTimeoutError(f"trainer at {self.addr} silent for {silent:.0f}s")
-
-    async def _recv_loop(self) -> None:
+    def _send_frames(self, identity: bytes, frames: list[bytes]) -> None:
         try:
-            while True:
-                kind, payload = await self._sock.recv_multipart()
-                self._last_seen = time.monotonic()
-                body = decode(payload)
-                if kind == CREDIT:
-                    self.credits += int(body["credits"])
-                    for tid in body.get("acks", []):
-                        self.unacked.pop(tid, None)
-                    self._credit_event.set()
-                elif kind == CONTROL:
-                    await self._controls.put(body)
-        except (WireFormatError, KeyError, ValueError) as exc:
-            logger.error("malformed message from the trainer: %s", exc)
-            await self._controls.put(None)
+            self._sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # peer gone (EHOSTUNREACH); credits heal with the next message
+            self._count("queue/send_failed")
+            logger.debug("send to %r failed: %s", identity[:40], exc)
 
-    async def _hb_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            await self._sock.send_multipart([HB, encode({})])
-            if time.monotonic() - self._last_seen > self.peer_timeout_s:
-                logger.error("trainer at %s silent for over %.0fs", self.addr, self.peer_timeout_s)
-                await self._controls.put(None)
-                return
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._cond:
+            self._counts[key] += n
 
-    def stats(self) -> dict[str, float]:
-        return {"queue/credits": self.credits, "queue/unacked": len(self.unacked)}
-
-    async def close(self) -> None:
-        try:
-            await asyncio.wait_for(self._sock.send_multipart([BYE, encode({})]), 1.0)
-        except Exception:
-            pass
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.close(0)
+    def _set_producer_count(self) -> None:
+        """Publish the producer count and the credits they hold (granted, not yet received)."""
+        with self._cond:
+            self._counts["queue/producers"] = len(self._producers)
+            self._counts["queue/credits_out"] = sum(p.held for p in self._producers.values())
+            self._cond.notify_all()

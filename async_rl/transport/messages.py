@@ -1,0 +1,239 @@
+"""The message kinds of the trajectory queue, their wire forms, and their checks on receipt.
+
+A message travels as two zmq frames, `[kind, codec.encode(msg.to_wire())]`. Rollout ->
+trainer: HELLO, GROUP, HB (`Heartbeat`), BYE. Trainer -> rollout: WELCOME, CREDIT,
+CONTROL, HB (`TrainerHeartbeat`). `unpack` turns frames into a message of a kind the
+receiving side accepts and raises `WireFormatError` naming the bad field otherwise.
+
+Credit counts are cumulative within a session (from one WELCOME to the next):
+`granted` is every credit the trainer has granted the producer, and a producer's
+`want` is the total it needs granted to send its next group (trajectories already
+sent + the group's size). Absolute numbers make every CREDIT and heartbeat idempotent,
+so a lost or repeated message never leaks or double-counts capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Union
+
+from async_rl.transport.codec import decode, encode
+from async_rl.types import Trajectory, WireFormatError
+
+PROTOCOL_VERSION = 1
+MAX_ID_CHARS = 200
+
+HELLO, GROUP, HEARTBEAT, BYE = b"HELLO", b"GROUP", b"HB", b"BYE"
+WELCOME, CREDIT, CONTROL = b"WELCOME", b"CREDIT", b"CONTROL"
+
+_MISSING = object()
+
+
+def _get(d: Any, key: str, kind: type | tuple[type, ...], where: str, default: Any = _MISSING) -> Any:
+    """d[key], checked to be of `kind` (bool is never accepted as int)."""
+    if not isinstance(d, dict):
+        raise WireFormatError(f"{where}: expected a map, got {type(d).__name__}")
+    if key not in d:
+        if default is _MISSING:
+            raise WireFormatError(f"{where}.{key}: missing")
+        return default
+    value = d[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise WireFormatError(f"{where}.{key}: expected {'/'.join(k.__name__ for k in kinds)}, "
+                              f"got {type(value).__name__}")
+    return value
+
+
+def _count(d: Any, key: str, where: str, default: Any = _MISSING) -> int:
+    value = _get(d, key, int, where, default)
+    if value < 0:
+        raise WireFormatError(f"{where}.{key}: must be >= 0, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------- rollout -> trainer
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """A producer introduces itself and starts a new session (its credits restart at 0). `session`
+    numbers its HELLOs; the WELCOME echoes it, so a producer can ignore answers to older ones."""
+
+    KIND: ClassVar[bytes] = HELLO
+    producer_id: str
+    session: int = 0
+    protocol: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"producer_id": self.producer_id, "session": self.session, "protocol": self.protocol}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Hello":
+        pid = _get(d, "producer_id", str, "HELLO")
+        if not 0 < len(pid) <= MAX_ID_CHARS:
+            raise WireFormatError(f"HELLO.producer_id: must have 1..{MAX_ID_CHARS} characters, got {len(pid)}")
+        protocol = _get(d, "protocol", int, "HELLO")
+        if protocol != PROTOCOL_VERSION:
+            raise WireFormatError(f"HELLO.protocol: this trainer speaks version {PROTOCOL_VERSION}, got {protocol}")
+        return cls(producer_id=pid, session=_count(d, "session", "HELLO", 0), protocol=protocol)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Group:
+    """One GRPO group, sent whole; `seq` numbers a producer's groups from 1."""
+
+    KIND: ClassVar[bytes] = GROUP
+    seq: int
+    trajectories: tuple[Trajectory, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"seq": self.seq, "trajectories": [t.to_wire() for t in self.trajectories]}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Group":
+        seq = _count(d, "seq", "GROUP")
+        wires = _get(d, "trajectories", list, "GROUP")
+        if not wires:
+            raise WireFormatError("GROUP.trajectories: a group needs at least one trajectory")
+        trajs = []
+        for i, w in enumerate(wires):
+            try:
+                trajs.append(Trajectory.from_wire(w))
+            except WireFormatError as exc:
+                raise WireFormatError(f"GROUP.trajectories[{i}]: {exc}") from None
+            except (TypeError, ValueError) as exc:
+                raise WireFormatError(f"GROUP.trajectories[{i}]: {type(exc).__name__}: {exc}") from None
+        if len({t.id for t in trajs}) != len(trajs):
+            raise WireFormatError("GROUP.trajectories: trajectory ids repeat within the group")
+        return cls(seq=seq, trajectories=tuple(trajs))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    """Producer keep-alive; also states its demand (`want`, 0 when not waiting)."""
+
+    KIND: ClassVar[bytes] = HEARTBEAT
+    want: int = 0
+    unacked: int = 0  # trajectories sent but not yet acknowledged (informational)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"want": self.want, "unacked": self.unacked}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Heartbeat":
+        return cls(want=_count(d, "want", "HB", 0), unacked=_count(d, "unacked", "HB", 0))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bye:
+    """A producer leaves; the trainer takes back the credits it still held."""
+
+    KIND: ClassVar[bytes] = BYE
+    reason: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Bye":
+        return cls(reason=_get(d, "reason", str, "BYE", ""))
+
+
+# --------------------------------------------------------------------------- trainer -> rollout
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Welcome:
+    """Answer to HELLO: a new session starts with `granted` credits (cumulative from here)."""
+
+    KIND: ClassVar[bytes] = WELCOME
+    capacity: int
+    granted: int = 0
+    session: int = 0  # the HELLO's
+    protocol: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"capacity": self.capacity, "granted": self.granted, "session": self.session,
+                "protocol": self.protocol}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Welcome":
+        capacity = _count(d, "capacity", "WELCOME")
+        if capacity < 1:
+            raise WireFormatError("WELCOME.capacity: must be >= 1, got 0")
+        return cls(capacity=capacity, granted=_count(d, "granted", "WELCOME"),
+                   session=_count(d, "session", "WELCOME", 0), protocol=_get(d, "protocol", int, "WELCOME"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Credit:
+    """Credits granted so far in this session, and ids of trajectories the trainer consumed (or dropped
+    as duplicates): the producer may forget those."""
+
+    KIND: ClassVar[bytes] = CREDIT
+    granted: int
+    acks: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"granted": self.granted, "acks": list(self.acks)}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Credit":
+        acks = _get(d, "acks", list, "CREDIT", [])
+        if any(not isinstance(a, str) for a in acks):
+            raise WireFormatError("CREDIT.acks: expected a list of trajectory id strings")
+        return cls(granted=_count(d, "granted", "CREDIT"), acks=tuple(acks))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Control:
+    """A map the trainer broadcasts, e.g. {"kind": "weights", "version": v, "path": p} or
+    {"kind": "stop", "final_version": v}; values may include one large bytes blob."""
+
+    KIND: ClassVar[bytes] = CONTROL
+    body: dict[str, Any]
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.body
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Control":
+        kind = _get(d, "kind", str, "CONTROL")
+        if not kind:
+            raise WireFormatError("CONTROL.kind: must be a non-empty string")
+        if any(not isinstance(k, str) for k in d):
+            raise WireFormatError("CONTROL: keys must be strings")
+        return cls(body=d)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerHeartbeat:
+    """Trainer keep-alive; repeats the credit total, and `registered=False` tells a producer the
+    trainer does not know it (restarted, or timed it out): it must say HELLO again."""
+
+    KIND: ClassVar[bytes] = HEARTBEAT
+    granted: int = 0
+    registered: bool = True
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"granted": self.granted, "registered": self.registered}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "TrainerHeartbeat":
+        return cls(granted=_count(d, "granted", "HB", 0), registered=_get(d, "registered", bool, "HB", True))
+
+
+Message = Union[Hello, Group, Heartbeat, Bye, Welcome, Credit, Control, TrainerHeartbeat]
+TO_TRAINER: Mapping[bytes, type] = {m.KIND: m for m in (Hello, Group, Heartbeat, Bye)}
+TO_ROLLOUT: Mapping[bytes, type] = {m.KIND: m for m in (Welcome, Credit, Control, TrainerHeartbeat)}
+
+
+def pack(msg: Message) -> list[bytes]:
+    """The frames of `msg`: [kind, payload]."""
+    return [msg.KIND, encode(msg.to_wire())]
+
+
+def unpack(kind: bytes, payload: bytes | memoryview, accepted: Mapping[bytes, type]) -> Message:
+    """Decode and check one message; raises WireFormatError naming the kind or field at fault."""
+    cls = accepted.get(bytes(kind))
+    if cls is None:
+        raise WireFormatError(f"unknown message kind {bytes(kind)[:24]!r} (expected one of "
+                              f"{', '.join(k.decode() for k in accepted)})")
+    return cls.from_wire(decode(payload))
