@@ -128,9 +128,27 @@ class RolloutController:
         stats = {"sync/update_s": time.perf_counter() - t0, "rollout/groups_pushed": self.groups_pushed,
                  "rollout/trajectories_pushed": self.trajectories_pushed, "rollout/interrupted": self.interrupted,
                  "rollout/in_flight": sum(self.pool.in_flight), **self.gate.stats()}
+        stats.update(await self._engine_metrics())
         logger.info("loaded weights v%d in %.2fs", version, stats["sync/update_s"])
         if self.metrics is not None:
             self.metrics.log(stats, step=version)
+
+    async def _engine_metrics(self) -> dict[str, float]:
+        """engine/* metrics summed over the servers that report them (the embedded engine does)."""
+        total: dict[str, float] = {}
+        for client in self.pool.clients:
+            fetch = getattr(client, "metrics", None)
+            if fetch is None:
+                continue
+            try:
+                for key, value in (await fetch()).items():
+                    if key.startswith("engine/") and isinstance(value, (int, float)):
+                        total[key] = total.get(key, 0.0) + float(value)
+            except Exception as exc:  # metrics are best effort; never stop the run for them
+                logger.debug("no metrics from %s: %s", client.address, exc)
+        if len(self.pool.clients) > 1 and "engine/prefix_hit_rate" in total:
+            total["engine/prefix_hit_rate"] /= len(self.pool.clients)
+        return total
 
     async def _control_loop(self) -> None:
         async for msg in self.controls:
