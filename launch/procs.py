@@ -10,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -34,10 +36,21 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _watch_parent(parent: int) -> None:
+    """A child never outlives its parent: if the parent dies, stop gracefully, then for good."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(15.0)
+    os._exit(1)
+
+
 def child_entry(name: str, target: Callable[..., None], cfg: Config, kwargs: dict) -> None:
     """Body of every child process."""
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="watch-parent", daemon=True).start()
     setup_logging(cfg.log.level, cfg.run_dir, name, console_level="WARNING")
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us in order
     err = error_file(cfg.run_dir, name)
     err.unlink(missing_ok=True)
     try:
@@ -66,7 +79,7 @@ def child_error(cfg: Config, name: str, proc: mp.Process) -> str:
     return f"{name}: {why} (log: {Path(cfg.run_dir) / 'logs' / (name + '.log')})"
 
 
-def stop_all(procs: list[mp.Process], grace_s: float = 10.0) -> None:
+def stop_all(procs: list[mp.Process], grace_s: float = 20.0) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -55,7 +55,9 @@ class EngineServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        # a child of a launcher ignores SIGINT (the launcher stops it with SIGTERM, in order)
+        wanted = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+        previous = {s: signal.signal(s, self.handle_exit) for s in wanted}
         try:
             yield
         finally:
