@@ -102,7 +102,7 @@ class TransportConfig:
 @dataclass
 class WeightSyncConfig:
     transport: str = "disk"  # disk (path travels, shared file system) | zmq (bytes travel over the queue)
-    keep_last: int = 2  # weight files kept on disk
+    keep_last: int = 2  # weight files kept on disk (at least max_staleness + 2, so the rollout never misses one)
 
 
 @dataclass

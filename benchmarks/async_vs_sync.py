@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/debug_cpu.yaml")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--eta", type=int, nargs="+", default=[1, 4], help="max_staleness values for async runs")
+    ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 4], help="max_staleness values for async runs")
     ap.add_argument("--out", default="benchmarks/results/async_vs_sync")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()

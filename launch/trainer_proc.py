@@ -58,9 +58,11 @@ def trainer_main(cfg: Config) -> None:
     run_dir = Path(cfg.run_dir)
     # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
     model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed)
-    trainer = PPOTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature,
-                         max_staleness=0 if cfg.mode == "sync" else cfg.max_staleness, seed=cfg.seed)
-    publisher = DiskWeightPublisher(str(run_dir / "weights"), keep_last=cfg.weight_sync.keep_last)
+    eta = 0 if cfg.mode == "sync" else cfg.max_staleness
+    trainer = PPOTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature, max_staleness=eta, seed=cfg.seed)
+    # the staleness gate keeps the trainer at most eta + 1 versions ahead of the weights the rollout
+    # has loaded, so that many files must survive pruning until the rollout reads them
+    publisher = DiskWeightPublisher(str(run_dir / "weights"), keep_last=max(cfg.weight_sync.keep_last, eta + 2))
     metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
     queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
                                   heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s)

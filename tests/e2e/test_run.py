@@ -22,7 +22,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mode,eta", [("async", 1), ("sync", 0)])
+@pytest.mark.parametrize("mode,eta", [("async", 1), ("async", 4), ("sync", 0)])
 def test_run_completes_within_staleness_bound(tmp_path, mode, eta):
     steps = 6
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"mode={mode}", f"max_staleness={eta}",
