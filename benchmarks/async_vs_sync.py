@@ -81,7 +81,9 @@ def main() -> None:
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(f"# Async vs sync\n\nCommand: `{command}`\n\n{text}\n")
+    note = ("Threads: with engine/trainer num_threads 0, sync gives each process every core (they take "
+            "turns) and async gives each half. `trainer wait` is the time the trainer waited for a batch.")
+    out.with_suffix(".md").write_text(f"# Async vs sync\n\nCommand: `{command}`\n\n{text}\n\n{note}\n")
     out.with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
 
 
