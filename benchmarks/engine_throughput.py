@@ -3,9 +3,11 @@
 Same model, same machine, same run, same workload: a batch of prompts with long-tailed
 `max_new_tokens` (many short answers, a few long ones), temperature-1.0 sampling over the
 full vocabulary, EOS ignored so every request produces exactly its `max_new_tokens`.
-The engine gets every request at once (continuous batching); `generate` is called the
-way a user would: left-padded batches of 16 and 32 in arrival order, each batch running
-until its longest request. Useful tokens are the tokens the requests asked for.
+The engine gets every request at once (continuous batching) and is timed before and
+after the HF runs (the mean is reported, which evens out other load on a shared
+machine); `generate` is called the way a user would: left-padded batches of 16 and 32
+in arrival order, each batch running until its longest request. Useful tokens are the
+tokens the requests asked for.
 
 Also measured: what a weight update adds (`update_weights` + the KV recompute of the
 in-flight sequences) next to one prefill of the same in-flight tokens, and the peak RSS
@@ -83,10 +85,11 @@ def workload(vocab: int, n: int, quick: bool, seed: int) -> list[tuple[list[int]
     return out
 
 
-def run_engine(model, cfg: EngineConfig, work, desc: str) -> tuple[float, LLMEngine]:
+def run_engine(model, cfg: EngineConfig, work, desc: str) -> tuple[float, float, LLMEngine]:
+    """-> (wall seconds, process CPU seconds, engine)."""
     engine = LLMEngine(model, cfg)
     total = sum(m for _, m in work)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, (prompt, new) in enumerate(work):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True))
     produced = 0
@@ -95,13 +98,14 @@ def run_engine(model, cfg: EngineConfig, work, desc: str) -> tuple[float, LLMEng
             n = sum(len(o.new_token_ids) for o in engine.step())
             produced += n
             bar.update(n)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert produced == total, (produced, total)
-    return elapsed, engine
+    return elapsed, cpu, engine
 
 
-def run_hf(model, work, batch_size: int, pad_id: int, desc: str) -> float:
-    t0 = time.perf_counter()
+def run_hf(model, work, batch_size: int, pad_id: int, desc: str) -> tuple[float, float]:
+    """-> (wall seconds, process CPU seconds)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for start in tqdm(range(0, len(work), batch_size), desc=desc, leave=False):
         batch = work[start:start + batch_size]
         width = max(len(p) for p, _ in batch)
@@ -112,7 +116,7 @@ def run_hf(model, work, batch_size: int, pad_id: int, desc: str) -> float:
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
         assert out.shape[1] == width + longest
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def weight_update_cost(model, cfg: EngineConfig, work, decode_steps: int = 8) -> dict[str, float]:
@@ -169,22 +173,31 @@ def measure(args) -> dict:
     gc.collect()
     loaded_rss = current_rss_mb()
     reset_peak_rss()
-    run_engine(model, cfg, work[:8], "warm-up")
-    engine_s, engine = run_engine(model, cfg, work, "engine")
+    run_engine(model, cfg, work[:8], "warm-up")  # the first steps pay one-off allocations
+    load_before = os.getloadavg()[0]
+    engine_s, engine_cpu, engine = run_engine(model, cfg, work, "engine")
     peak_rss = peak_rss_mb()
     stats = engine.stats()
     del engine
     update = weight_update_cost(model, cfg, work)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    hf = {b: run_hf(model, work, b, pad, f"hf generate b={b}") for b in args.hf_batch_sizes}
+    hf = {b: run_hf(model, work, b, pad, f"hf generate b={b}") for b in args.hf_batch_sizes}  # (wall, cpu)
+    # the machine may be shared: time the engine again after HF and use the mean of both runs
+    again_s, again_cpu, _ = run_engine(model, cfg, work, "engine again")
+    engine_runs = [engine_s, again_s]
+    engine_s, engine_cpu = (engine_s + again_s) / 2, (engine_cpu + again_cpu) / 2
     return {
         "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "num_prompts": len(work), "useful_tokens": useful,
         "prompt_tokens": sum(len(p) for p, _ in work),
-        "engine": {"seconds": engine_s, "tokens_per_s": useful / engine_s,
+        "engine": {"seconds": engine_s, "runs_seconds": engine_runs, "cpu_seconds": engine_cpu,
+                   "tokens_per_s": useful / engine_s,
                    "preemptions": stats["engine/preemptions"]},
-        "hf_generate": {str(b): {"seconds": s, "tokens_per_s": useful / s} for b, s in hf.items()},
-        "speedup": {str(b): s / engine_s for b, s in hf.items()},
+        "hf_generate": {str(b): {"seconds": s, "cpu_seconds": c, "tokens_per_s": useful / s}
+                        for b, (s, c) in hf.items()},
+        "speedup": {str(b): s / engine_s for b, (s, _) in hf.items()},
+        "speedup_cpu_time": {str(b): c / engine_cpu for b, (_, c) in hf.items()},
+        "load_average": {"before_engine": load_before, "end": os.getloadavg()[0]},
         "weight_update": update,
         "memory_mb": {"peak_rss": peak_rss, "kv_budget": args.kv_cache_mb, "model": model_mb,
                       "before_model": base_rss, "model_loaded": loaded_rss},
@@ -197,13 +210,16 @@ def measure(args) -> dict:
 
 def table(entries: dict) -> str:
     lines = ["| model | dtype | prompts | useful tok | engine tok/s | HF b=16 tok/s | HF b=32 tok/s | "
-             "speedup vs b=16 / b=32 |", "|---|---|---|---|---|---|---|---|"]
+             "speedup vs b=16 / b=32 | same in process CPU time | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries.values():
         hf = e["hf_generate"]
         cell = lambda b: f"{hf[b]['tokens_per_s']:.1f}" if b in hf else "-"  # noqa: E731
         sp = " / ".join(f"{e['speedup'][b]:.2f}x" for b in ("16", "32") if b in e["speedup"])
+        cpu = " / ".join(f"{e.get('speedup_cpu_time', {}).get(b, float('nan')):.2f}x" for b in ("16", "32"))
+        load = e.get("load_average", {})
+        load_cell = f"{load.get('before_engine', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}"
         lines.append(f"| {e['model']} | {e['dtype']} | {e['num_prompts']} | {e['useful_tokens']} | "
-                     f"{e['engine']['tokens_per_s']:.1f} | {cell('16')} | {cell('32')} | {sp} |")
+                     f"{e['engine']['tokens_per_s']:.1f} | {cell('16')} | {cell('32')} | {sp} | {cpu} | {load_cell} |")
     lines += ["", "| model | dtype | in-flight seqs / tokens | update_weights s (first) | KV recompute s | "
               "prefill of same tokens s | one decode step s |", "|---|---|---|---|---|---|---|"]
     for e in entries.values():

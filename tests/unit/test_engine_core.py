@@ -270,3 +270,61 @@ def test_sampler_draws_from_the_truncated_distribution(kw, expect):
     assert torch.allclose(freq, expect, atol=0.015), (freq, expect)
     full = torch.log_softmax(probs.log() / kw["temperature"], -1)  # reported: the untruncated distribution
     assert torch.allclose(torch.tensor(result.logprobs), full[torch.tensor(result.token_ids)], atol=1e-6)
+
+
+def test_qwen2_biases_and_rope_theta_are_used(tok):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500.0}, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    qwen = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # biases start at zero: make them matter
+        for layer in qwen.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    engine = LLMEngine(qwen, EngineConfig(kv_cache_mb=1, block_size=4, max_tokens_per_step=16))
+    reqs = {f"q{i}": (p, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True))
+            for i, p in enumerate(prompts(tok, 4))}
+    outs = run(engine, reqs)
+    for rid, (prompt, _) in reqs.items():
+        ref = hf_logprobs(qwen, prompt, outs[rid].output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(ref, outs[rid].output_logprobs)) <= 1e-4, rid
+
+
+def test_unsupported_architectures_are_rejected(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from async_rl.engine.model_runner import UnsupportedModelError
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=99, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(UnsupportedModelError, match="not supported"):
+        LLMEngine(gpt2, EngineConfig(kv_cache_mb=1))
+    dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, rope_parameters={"rope_type": "dynamic",
+                                                                                   "rope_theta": 1e4, "factor": 2.0}))
+    with pytest.raises(UnsupportedModelError, match="rope_type"):
+        LLMEngine(dynamic, EngineConfig(kv_cache_mb=1))
+
+
+def test_bfloat16_model_computes_in_bfloat16_close_to_hf(model, tok):
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    engine = make_engine(bf16, tok)
+    assert engine.runner.kv.dtype == torch.bfloat16
+    reqs = {f"b{i}": (p, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=i))
+            for i, p in enumerate(prompts(tok, 6))}
+    outs = run(engine, reqs)
+    for rid, (prompt, _) in reqs.items():
+        ref = hf_logprobs(bf16, prompt, outs[rid].output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(ref, outs[rid].output_logprobs)) <= 0.05, rid
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_on_gpu_matches_hf(model, tok):
+    gpu = copy.deepcopy(model).cuda()
+    engine = make_engine(gpu, tok)
+    reqs = {f"c{i}": (p, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=i))
+            for i, p in enumerate(prompts(tok, 6))}
+    outs = run(engine, reqs)
+    for rid, (prompt, _) in reqs.items():
+        ref = hf_logprobs(model, prompt, outs[rid].output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(ref, outs[rid].output_logprobs)) <= 1e-3, rid
