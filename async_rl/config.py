@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "tiny"  # "tiny" (built in-process), "smollm2-135m" (offline GGUF), or an HF checkpoint dir
-    dtype: str = "float32"  # float32 | bfloat16: the generation engine's weights (the trainer keeps fp32)
+    dtype: str = "auto"  # auto | float32 | bfloat16: the engine's weights; auto = bf16 only where native
     # The tiny model and its character tokenizer (used when name == "tiny").
     tiny_alphabet: str = "0123456789+= "  # characters of the tiny tokenizer, besides its special tokens
     tiny_hidden: int = 64  # hidden size of the tiny model
@@ -38,6 +38,8 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
+    backend: str = "embedded"  # embedded (this project's engine) | sglang (SGLang servers, GPU)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto = CUDA when present)
     host: str = "127.0.0.1"  # address the generation server binds
     port: int = 0  # 0 picks a free port
     max_running: int = 64  # most sequences decoded together
@@ -70,13 +72,18 @@ class RolloutConfig:
     max_new_tokens: int = 8  # response length limit
     agent: str = "single_turn"  # default agent loop (a sample may name its own)
     max_concurrent: int = 64  # most requests in flight at once
-    server_addrs: list[str] = field(default_factory=list)  # generation servers; empty = start one
+    server_addrs: list[str] = field(default_factory=list)  # generation servers started elsewhere; empty = start our own
+    num_servers: int = 1  # generation servers to start when server_addrs is empty
+    health_interval_s: float = 5.0  # how often each server's health is checked; a failing one leaves rotation
     connect_timeout_s: float = 60.0  # how long to wait for servers and the trainer to answer
     eval_max_new_tokens: int = 16  # response length limit of the greedy evaluation
 
 
 @dataclass
 class TrainerConfig:
+    backend: str = "single"  # single (one process) | fsdp (trainer.world_size processes, FSDP2)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto = CUDA when present)
+    world_size: int = 1  # trainer processes (fsdp backend)
     batch_size: int = 32  # B: trajectories per train step (a multiple of rollout.group_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -87,7 +94,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # token budget of one forward/backward
     adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
     checkpoint_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
-    compute_dtype: str = "float32"  # float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
+    compute_dtype: str = "auto"  # auto | float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
 
 
@@ -101,8 +108,19 @@ class TransportConfig:
 
 @dataclass
 class WeightSyncConfig:
-    transport: str = "disk"  # disk (path travels, shared file system) | zmq (bytes travel over the queue)
+    transport: str = "disk"  # disk (shared file system) | zmq (buckets over the queue) | dist (torch.distributed)
     keep_last: int = 2  # weight files kept on disk (at least max_staleness + 2, so the rollout never misses one)
+    bucket_mb: float = 128.0  # size of one weight bucket (zmq, dist): the most extra memory an update holds
+    deadline_s: float = 120.0  # a server that has not loaded an update by then is fenced (out of rotation)
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # existing cluster (e.g. "auto" or "ray://HOST:10001"); empty = start a local one
+    num_cpus_per_server: float = 1.0  # CPU bundle of one generation server
+    num_gpus_per_server: float = 0.0  # GPU bundle of one generation server (0 on CPU clusters)
+    num_cpus_per_trainer: float = 1.0  # CPU bundle of one trainer rank
+    num_gpus_per_trainer: float = 0.0  # GPU bundle of one trainer rank
 
 
 @dataclass
@@ -119,6 +137,7 @@ class Config:
     total_steps: int = 20  # train steps of the run
     run_dir: str = "runs/debug"  # where metrics, config, weights and checkpoints go
     seed: int = 0  # seed of everything random
+    launcher: str = "local"  # local (child processes) | ray (placement groups on a Ray cluster)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -126,16 +145,20 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "mode": ("async", "sync"),
-    "model.dtype": ("float32", "bfloat16"),
-    "trainer.compute_dtype": ("float32", "bfloat16"),
+    "launcher": ("local", "ray"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "trainer.compute_dtype": ("auto", "float32", "bfloat16"),
+    "engine.backend": ("embedded", "sglang"),
+    "trainer.backend": ("single", "fsdp"),
     "task.prompt_format": ("raw", "chat"),
     "task.answer_pick": ("last", "first"),
-    "weight_sync.transport": ("disk", "zmq"),
+    "weight_sync.transport": ("disk", "zmq", "dist"),
     "log.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 
@@ -155,7 +178,8 @@ def validate(cfg: Config) -> None:
     positive = ["total_steps", "rollout.group_size", "rollout.max_new_tokens", "rollout.max_concurrent",
                 "trainer.batch_size", "trainer.minibatches", "trainer.micro_batch_tokens",
                 "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",
-                "transport.capacity", "task.eval_size"]
+                "transport.capacity", "task.eval_size", "rollout.num_servers", "trainer.world_size",
+                "weight_sync.bucket_mb", "weight_sync.deadline_s", "rollout.health_interval_s"]
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)!r}")

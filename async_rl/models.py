@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from async_rl.config import ModelConfig
+from async_rl.utils.hardware import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,8 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None) -> torch.nn.Module:
-    """The policy model in `cfg.dtype`, in eval mode, on CPU."""
-    dtype = getattr(torch, cfg.dtype)
+    """The policy model in `cfg.dtype` (`auto`: bf16 only where the CPU runs it natively), in eval mode, on CPU."""
+    dtype = resolve_dtype(cfg.dtype, "cpu").dtype
     if cfg.name == "tiny":
         tokenizer = tokenizer or load_tokenizer(cfg)
         model = build_tiny_model(cfg, len(tokenizer), seed)

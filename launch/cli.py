@@ -42,6 +42,11 @@ def _check_standalone(cfg: Config, command: str) -> None:
 
 def _dispatch(command: str, cfg: Config) -> int:
     from launch import procs
+    from launch.common import pin_dtypes
+
+    cfg, lines = pin_dtypes(cfg, command)
+    for line in lines:
+        print(line, flush=True)
 
     if command == "run":
         from launch.local import run_local

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import dataclasses
 from pathlib import Path
+
+from async_rl.config import Config
+from async_rl.utils.hardware import resolve_dtype
 
 
 def effective_threads(configured: int, mode: str) -> int:
@@ -32,3 +36,21 @@ def with_free_port(addr: str) -> str:
 
 def error_file(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / "logs" / f"{name}.error"
+
+
+def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
+    """Resolve `auto` dtypes once, here, so every local process computes in the same dtype.
+
+    Returns the config with explicit dtypes and the lines that tell the user what was chosen
+    and why (the engine's weights, the trainer's autocast)."""
+    lines = []
+    model, trainer = cfg.model, cfg.trainer
+    if command in ("run", "rollout", "serve"):
+        choice = resolve_dtype(model.dtype, "cpu")
+        model = dataclasses.replace(model, dtype=choice.name)
+        lines.append(f"engine dtype: {choice.name} ({choice.reason})")
+    if command in ("run", "train"):
+        choice = resolve_dtype(trainer.compute_dtype, "cpu")
+        trainer = dataclasses.replace(trainer, compute_dtype=choice.name)
+        lines.append(f"trainer compute dtype: {choice.name} ({choice.reason}; master weights fp32)")
+    return dataclasses.replace(cfg, model=model, trainer=trainer), lines

@@ -29,6 +29,7 @@ from async_rl.trainer.advantages import group_advantages
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
 from async_rl.trainer.loss import get_loss
 from async_rl.types import Trajectory
+from async_rl.utils.hardware import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class PPOTrainer:
         self.policy_version = policy_version
         self.loss_fn = get_loss(loss)
         self.device = next(model.parameters()).device
+        self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.device).dtype  # autocast dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
@@ -156,10 +158,10 @@ class PPOTrainer:
         acc.add({"loss": float(loss.detach()), **s}, batch.num_tokens)
 
     def _autocast(self):
-        """bf16 compute with fp32 master weights when trainer.compute_dtype is bfloat16."""
-        if self.cfg.compute_dtype == "float32":
+        """bf16 compute with fp32 master weights when the compute dtype is bfloat16."""
+        if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=getattr(torch, self.cfg.compute_dtype))
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def _clip_grads(self) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")

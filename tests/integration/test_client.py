@@ -27,7 +27,7 @@ from launch.serve import BackgroundServer
 def srv():
     torch.set_num_threads(1)
     tok = build_tiny_tokenizer(PRINTABLE)
-    model = load_model(ModelConfig(tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
+    model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
     bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
     with bg as url:
         yield SimpleNamespace(url=url, engine=bg.engine, tok=tok, model=model)

@@ -27,7 +27,7 @@ def srv():
     torch.set_num_threads(1)
     tok = build_tiny_tokenizer(PRINTABLE)
     tok.chat_template = TOOLS_TEMPLATE
-    model = load_model(ModelConfig(tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
+    model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
     bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny-printable")
     client = openai.OpenAI(base_url=f"{bg.start()}/v1", api_key="unused", max_retries=0, timeout=60)
     yield SimpleNamespace(client=client, tok=tok, engine=bg.engine)

@@ -16,7 +16,7 @@ from async_rl.trainer.batching import collate
 from async_rl.types import SamplingParams
 from launch.serve import BackgroundServer
 
-MODEL = ModelConfig(tiny_alphabet="01234+=", max_position=64)
+MODEL = ModelConfig(dtype="float32", tiny_alphabet="01234+=", max_position=64)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", 
 def srv():
     torch.set_num_threads(1)
     tok = build_tiny_tokenizer(PRINTABLE)
-    model = load_model(ModelConfig(tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
+    model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
     bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
     url = bg.start()
     http = httpx.Client(base_url=url, timeout=60, trust_env=False)

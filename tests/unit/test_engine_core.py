@@ -27,7 +27,7 @@ def tok():
 @pytest.fixture(scope="module")
 def model(tok):
     torch.manual_seed(0)
-    return load_model(ModelConfig(tiny_alphabet=PRINTABLE, max_position=256), seed=0, tokenizer=tok)
+    return load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE, max_position=256), seed=0, tokenizer=tok)
 
 
 def make_engine(model, tok, **overrides):

@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"types", "config", "protocols", "models", "utils"}
 ALLOWED = {
-    "types": set(), "config": set(), "protocols": {"types"}, "models": {"config"}, "utils": set(),
+    "types": set(), "config": set(), "protocols": {"types"}, "models": {"config", "utils"}, "utils": set(),
     "rewards": {"types"},
     "tasks": {"types", "config", "rewards"},
     "transport": BASE,

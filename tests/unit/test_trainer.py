@@ -34,7 +34,7 @@ def tok():
 
 
 def _model(tok, seed=0):
-    return load_model(ModelConfig(tiny_alphabet=ALPHABET), seed=seed, tokenizer=tok)
+    return load_model(ModelConfig(dtype="float32", tiny_alphabet=ALPHABET), seed=seed, tokenizer=tok)
 
 
 def _ids(tok, text):
@@ -151,7 +151,7 @@ def test_training_steps_raise_high_reward_answers(tok):
     model = _model(tok)
     before = _params(model)
     good0, bad0 = _answer_logprob(model, tok, "1+2=", "3"), _answer_logprob(model, tok, "1+2=", "7")
-    trainer = PPOTrainer(model, TrainerConfig(lr=1e-2, minibatches=2), temperature=1.0, max_staleness=1, seed=0)
+    trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32", lr=1e-2, minibatches=2), temperature=1.0, max_staleness=1, seed=0)
     for step in range(4):
         stats = trainer.train_step(_good_bad_groups(tok, model, version=trainer.policy_version))
         assert stats["train/num_trajectories"] == 8 and stats["train/dropped_stale"] == 0
@@ -170,7 +170,7 @@ def test_training_steps_raise_high_reward_answers(tok):
 
 def test_stale_trajectories_are_dropped_and_staleness_measured(tok):
     model = _model(tok)
-    trainer = PPOTrainer(model, TrainerConfig(), temperature=1.0, max_staleness=2, seed=0, policy_version=5)
+    trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32"), temperature=1.0, max_staleness=2, seed=0, policy_version=5)
     p = _ids(tok, "1+1=")
     groups = [[_traj(model, p, [5, 6, 7], reward=1.0, group="a", version=[3, 4, 5], interruptions=2),
                _traj(model, p, [5, 6], reward=0.0, group="a", version=[2, 5], interruptions=1),  # 2 < 5-2
@@ -188,7 +188,7 @@ def test_stale_trajectories_are_dropped_and_staleness_measured(tok):
 def test_all_stale_skips_the_update_but_reports(tok):
     model = _model(tok)
     before = _params(model)
-    trainer = PPOTrainer(model, TrainerConfig(), temperature=1.0, max_staleness=0, seed=0, policy_version=3)
+    trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32"), temperature=1.0, max_staleness=0, seed=0, policy_version=3)
     stats = trainer.train_step(_good_bad_groups(tok, model, version=2))
     assert stats["train/dropped_stale"] == 8 and stats["train/num_trajectories"] == 0
     assert stats["train/optimizer_steps"] == 0 and stats["train/reward_mean"] == 0.5
@@ -200,7 +200,7 @@ def test_micro_batching_does_not_change_the_update(tok):
     results = []
     for budget in (4096, 6):  # one micro-batch, or one trajectory each
         model = _model(tok)
-        trainer = PPOTrainer(model, TrainerConfig(lr=1e-2, micro_batch_tokens=budget), temperature=1.0,
+        trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32", lr=1e-2, micro_batch_tokens=budget), temperature=1.0,
                              max_staleness=0, seed=0)
         groups = _good_bad_groups(tok, model, version=0)
         groups[0][0] = _traj(model, _ids(tok, "1+2="), _ids(tok, "3 5"), reward=1.0, group="1+2=")
@@ -217,7 +217,7 @@ def test_same_seed_same_result(tok):
     out = []
     for _ in range(2):
         model = _model(tok)
-        trainer = PPOTrainer(model, TrainerConfig(lr=1e-2, minibatches=3), temperature=1.0, max_staleness=1, seed=7)
+        trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32", lr=1e-2, minibatches=3), temperature=1.0, max_staleness=1, seed=7)
         np.random.seed(0)
         for _ in range(2):
             trainer.train_step(_good_bad_groups(tok, model, version=trainer.policy_version))
@@ -227,7 +227,7 @@ def test_same_seed_same_result(tok):
 
 def test_state_dict_is_a_detached_cpu_snapshot(tok):
     model = _model(tok)
-    trainer = PPOTrainer(model, TrainerConfig(), temperature=1.0, max_staleness=0, seed=0)
+    trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32"), temperature=1.0, max_staleness=0, seed=0)
     snap = trainer.state_dict()
     assert list(snap) == list(model.state_dict())
     assert all(t.device.type == "cpu" and not t.requires_grad for t in snap.values())
@@ -240,7 +240,7 @@ def test_state_dict_is_a_detached_cpu_snapshot(tok):
 # ---------------------------------------------------------------------------------------- checkpoints
 def test_checkpoint_round_trip_and_latest(tok, tmp_path):
     model = _model(tok)
-    trainer = PPOTrainer(model, TrainerConfig(lr=1e-2), temperature=1.0, max_staleness=0, seed=0)
+    trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32", lr=1e-2), temperature=1.0, max_staleness=0, seed=0)
     trainer.train_step(_good_bad_groups(tok, model, version=0))
     save_checkpoint(checkpoint_dir(tmp_path, 1), model, trainer.optimizer, 1, {"policy_version": 1})
     out = save_checkpoint(checkpoint_dir(tmp_path, 12), model, trainer.optimizer, 12, {"policy_version": 12})
@@ -248,7 +248,7 @@ def test_checkpoint_round_trip_and_latest(tok, tmp_path):
     assert latest_checkpoint(tmp_path) == out and latest_checkpoint(tmp_path / "none") is None
 
     fresh = _model(tok, seed=1)
-    fresh_trainer = PPOTrainer(fresh, TrainerConfig(lr=1e-2), temperature=1.0, max_staleness=0, seed=0)
+    fresh_trainer = PPOTrainer(fresh, TrainerConfig(compute_dtype="float32", lr=1e-2), temperature=1.0, max_staleness=0, seed=0)
     meta = load_checkpoint(out, fresh, fresh_trainer.optimizer)
     assert meta == {"step": 12, "policy_version": 12}
     assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in model.state_dict().items())

@@ -21,7 +21,7 @@ def tok():
 
 
 def _model(tok, seed):
-    return load_async_rl_model(ModelConfig(tiny_alphabet=ALPHABET), seed=seed, tokenizer=tok)
+    return load_async_rl_model(ModelConfig(dtype="float32", tiny_alphabet=ALPHABET), seed=seed, tokenizer=tok)
 
 
 def _logits(model):

@@ -1,0 +1,108 @@
+"""Devices and dtypes that fit the machine: what `auto` means for `*.device` and `*.dtype`.
+
+    device = resolve_device("auto")                 # cuda when present, else cpu
+    choice = resolve_dtype("auto", device)          # DtypeChoice(dtype=torch.float32, reason="...")
+
+bfloat16 is chosen only where the hardware runs it natively: a CUDA device that
+supports it, or a CPU whose bf16 matrix multiply is measured to be faster than fp32.
+CPUs come in kinds where bf16 is emulated (AVX2 only: a bf16 GEMM runs ~240x slower
+than fp32), so the decision is never a guess: CPUs below AVX-512 get float32 without
+a probe, and AVX-512 CPUs run a short GEMM probe (~0.1 s) once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEVICE_CHOICES = "auto | cpu | cuda | cuda:N"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+_PROBE_N = 256  # GEMM side of the probe: big enough to reach a kernel's speed, small enough to be quick
+_BF16_MIN_SPEEDUP = 1.2  # bf16 must beat fp32 by this much to be worth its lower precision
+
+
+class DeviceError(ValueError):
+    """A configured device does not exist on this machine."""
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str  # one line a user reads: why this dtype on this device
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_device(spec: str, key: str = "device") -> torch.device:
+    """`auto` -> cuda when present, else cpu; `cuda`/`cuda:N` checked against the devices here."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise DeviceError(f"{key}: {spec!r} is not a device ({DEVICE_CHOICES})") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise DeviceError(f"{key}: device type {device.type!r} is not supported ({DEVICE_CHOICES})")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise DeviceError(f"{key}: {spec!r} asked for, but this machine has no CUDA device; use cpu or auto")
+    if device.index is not None and device.index >= count:
+        raise DeviceError(f"{key}: {spec!r} asked for, but this machine has {count} CUDA device(s)")
+    return device
+
+
+def cpu_capability() -> str:
+    """torch's view of the CPU's vector ISA: DEFAULT, AVX2, AVX512, ..."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # very old torch builds lack the query
+        return "unknown"
+
+
+def _gemm_seconds(dtype: torch.dtype, n: int, reps: int) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    a @ b  # warm-up: kernel selection, allocation
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_bf16_speedup() -> float:
+    """Measured fp32-time / bf16-time of a small GEMM on this CPU with the current threads."""
+    return _gemm_seconds(torch.float32, _PROBE_N, 5) / max(_gemm_seconds(torch.bfloat16, _PROBE_N, 5), 1e-9)
+
+
+def resolve_dtype(spec: str, device: torch.device | str = "cpu") -> DtypeChoice:
+    """The dtype to compute in: as configured, or for `auto` bf16 only where it is native."""
+    device = torch.device(device)
+    if spec != "auto":
+        if spec not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: must be one of {'|'.join(DTYPE_CHOICES)}, got {spec!r}")
+        return DtypeChoice(getattr(torch, spec), "set in the config")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice(torch.bfloat16, f"{torch.cuda.get_device_name(device)} runs bf16 natively")
+        return DtypeChoice(torch.float32, f"{torch.cuda.get_device_name(device)} has no native bf16")
+    cap = cpu_capability()
+    if not cap.upper().startswith("AVX512"):
+        return DtypeChoice(torch.float32, f"CPU capability {cap}: no native bf16 (emulated bf16 runs far slower than fp32)")
+    speedup = cpu_bf16_speedup()
+    if speedup >= _BF16_MIN_SPEEDUP:
+        return DtypeChoice(torch.bfloat16, f"CPU capability {cap}: bf16 GEMM measured {speedup:.1f}x fp32")
+    return DtypeChoice(torch.float32, f"CPU capability {cap}: bf16 GEMM measured only {speedup:.2f}x fp32")
