@@ -115,9 +115,10 @@ def load_tokenizer(cfg: ModelConfig):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None) -> torch.nn.Module:
-    """The policy model in `cfg.dtype` (`auto`: bf16 only where the CPU runs it natively), in eval mode, on CPU."""
-    dtype = resolve_dtype(cfg.dtype, "cpu").dtype
+def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The policy model on `device` in `cfg.dtype` (`auto`: bf16 only where the device runs it natively), in eval mode."""
+    device = torch.device(device)
+    dtype = resolve_dtype(cfg.dtype, device).dtype
     if cfg.name == "tiny":
         tokenizer = tokenizer or load_tokenizer(cfg)
         model = build_tiny_model(cfg, len(tokenizer), seed)
@@ -126,7 +127,7 @@ def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None) -> torch.nn.Modu
         if not path.is_dir():
             raise ModelLoadError(f"model.name: {cfg.name!r} is neither 'tiny', 'smollm2-135m' nor a checkpoint directory")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

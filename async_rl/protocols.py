@@ -49,3 +49,19 @@ class WeightPublisher(Protocol):
     def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
         """Write the weights; return the message that tells the rollout side where they are."""
         ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """The rollout side of a weight transport: a trainer's "weights" message -> weights loaded in servers.
+
+    `prepare` runs once per version (e.g. assemble streamed buckets into a local file, or
+    learn the tensor manifest); `load` then runs once per generation server, concurrently
+    and each under the update deadline, so a slow server can be fenced without holding
+    the others; `release` frees what `prepare` made once every server is done."""
+
+    async def prepare(self, msg: dict[str, Any]) -> Any: ...
+
+    async def load(self, client: GenerationClient, prepared: Any, version: int) -> None: ...
+
+    async def release(self, prepared: Any) -> None: ...

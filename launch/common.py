@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from async_rl.config import Config
-from async_rl.utils.hardware import resolve_dtype
+from async_rl.utils.hardware import resolve_device, resolve_dtype
 
 
 def effective_threads(configured: int, mode: str) -> int:
@@ -46,11 +46,11 @@ def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
     lines = []
     model, trainer = cfg.model, cfg.trainer
     if command in ("run", "rollout", "serve"):
-        choice = resolve_dtype(model.dtype, "cpu")
+        choice = resolve_dtype(model.dtype, resolve_device(cfg.engine.device, "engine.device"))
         model = dataclasses.replace(model, dtype=choice.name)
         lines.append(f"engine dtype: {choice.name} ({choice.reason})")
     if command in ("run", "train"):
-        choice = resolve_dtype(trainer.compute_dtype, "cpu")
+        choice = resolve_dtype(trainer.compute_dtype, resolve_device(trainer.device, "trainer.device"))
         trainer = dataclasses.replace(trainer, compute_dtype=choice.name)
         lines.append(f"trainer compute dtype: {choice.name} ({choice.reason}; master weights fp32)")
     return dataclasses.replace(cfg, model=model, trainer=trainer), lines

@@ -17,7 +17,7 @@ from async_rl.rollout.evaluate import evaluate
 from async_rl.tasks import build_task
 from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.utils.metrics import MetricsLogger
-from async_rl.weight_sync.disk import ZmqWeightPayload
+from async_rl.weight_sync.receivers import build_receiver
 from launch.procs import start_server, stop_all
 
 logger = logging.getLogger(__name__)
@@ -28,14 +28,6 @@ def _record_eval(cfg: Config, when: str, version: int, stats: dict) -> None:
     with (Path(cfg.run_dir) / "eval.jsonl").open("a") as fh:
         fh.write(json.dumps(row) + "\n")
     logger.info("eval %s (v%d): accuracy %.3f on %d problems", when, version, stats["eval/accuracy"], stats["eval/n"])
-
-
-def _weights_path(cfg: Config, msg: dict) -> str:
-    """The file of a "weights" message: as sent (shared file system) or written from its bytes."""
-    if msg.get("blob") is None:
-        return msg["path"]
-    return str(ZmqWeightPayload.write_received(msg["blob"], Path(cfg.run_dir) / "weights", int(msg["version"]),
-                                               cfg.weight_sync.keep_last))
 
 
 async def _run(cfg: Config, addrs: list[str]) -> None:
@@ -53,7 +45,7 @@ async def _run(cfg: Config, addrs: list[str]) -> None:
         _record_eval(cfg, "before", 0, await evaluate(clients, tokenizer, task, eval_set,
                                                       cfg.rollout.eval_max_new_tokens, mc))
         controller = RolloutController(cfg, clients, queue, queue.controls(), tokenizer, task, metrics,
-                                       weights_path=lambda msg: _weights_path(cfg, msg))
+                                       weights=build_receiver(cfg))
         await controller.run(cfg.seed)
         if controller.final_version is not None:
             _record_eval(cfg, "after", controller.final_version,

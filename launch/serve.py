@@ -35,6 +35,7 @@ from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
 from async_rl.engine.llm_engine import LLMEngine
 from async_rl.engine.server import build_app
 from async_rl.models import eos_token_ids, load_model, load_tokenizer
+from async_rl.utils.hardware import resolve_device
 from launch.common import effective_threads
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,9 @@ def serve_main(cfg: Config, *, ready_file: str | None = None) -> None:
     sock = bind_socket(cfg.engine.host, cfg.engine.port)  # fail early (port taken) before loading the model
     url = socket_url(sock)
     tokenizer = load_tokenizer(cfg.model)
-    engine = build_engine(load_model(cfg.model, seed=cfg.seed, tokenizer=tokenizer), tokenizer, cfg.engine).start()
+    device = resolve_device(cfg.engine.device, "engine.device")
+    model = load_model(cfg.model, seed=cfg.seed, tokenizer=tokenizer, device=device)
+    engine = build_engine(model, tokenizer, cfg.engine).start()
     server = EngineServer(build_app(engine, model_name=cfg.model.name, tokenizer=tokenizer), engine)
 
     async def announce() -> None:
@@ -160,7 +163,8 @@ def serve_main(cfg: Config, *, ready_file: str | None = None) -> None:
         if ready_file:
             _write_ready(ready_file, url)
         print(f"serving on {url}", flush=True)
-        logger.info("serving %s on %s (torch threads: %d)", cfg.model.name, url, torch.get_num_threads())
+        logger.info("serving %s on %s (%s, %s, torch threads: %d)", cfg.model.name, url, device,
+                    next(model.parameters()).dtype, torch.get_num_threads())
 
     async def main() -> None:
         task = asyncio.create_task(announce())

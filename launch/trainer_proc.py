@@ -17,6 +17,7 @@ from async_rl.trainer.trainer import PPOTrainer
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.disk import DiskWeightPublisher, ZmqWeightPayload
+from async_rl.utils.hardware import resolve_device
 from launch.common import effective_threads
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ def trainer_main(cfg: Config) -> None:
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.run_dir)
     # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
-    model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed)
+    device = resolve_device(cfg.trainer.device, "trainer.device")
+    model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
     eta = 0 if cfg.mode == "sync" else cfg.max_staleness
     trainer = PPOTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature, max_staleness=eta, seed=cfg.seed)
     # the staleness gate keeps the trainer at most eta + 1 versions ahead of the weights the rollout

@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from async_rl.agent import build_agent_loop
 from async_rl.config import Config
-from async_rl.protocols import GenerationClient, TrajectorySink
+from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
 from async_rl.rollout.staleness import StalenessGate
 from async_rl.types import Sample, SamplingParams, new_id
 from async_rl.utils.metrics import MetricsLogger
+from async_rl.weight_sync.receivers import DiskWeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,7 @@ class ServerPool:
 class RolloutController:
     def __init__(self, cfg: Config, clients: list[GenerationClient], sink: TrajectorySink,
                  controls: AsyncIterator[dict[str, Any]], tokenizer: Any, task: Any,
-                 metrics: MetricsLogger | None = None,
-                 weights_path: Callable[[dict[str, Any]], str] = lambda msg: msg["path"]):
+                 metrics: MetricsLogger | None = None, weights: WeightReceiver | None = None):
         self.cfg = cfg
         self.pool = ServerPool(clients)
         self.sink = sink
@@ -58,7 +58,7 @@ class RolloutController:
         self.tokenizer = tokenizer
         self.task = task
         self.metrics = metrics
-        self.weights_path = weights_path  # where a "weights" control message's file is (or is written to)
+        self.weights = weights or DiskWeightReceiver()  # turns a "weights" control message into loaded servers
         eta = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.gate = StalenessGate(cfg.trainer.batch_size, eta)
         self.slots = asyncio.Semaphore(cfg.rollout.max_concurrent)
@@ -117,13 +117,18 @@ class RolloutController:
                 return
             self._spawn(self._group(next(samples)))
 
-    async def apply_weights(self, path: str, version: int) -> None:
+    async def apply_weights(self, msg: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        await self.pool.for_all("pause_generation")
+        version = int(msg["version"])
+        prepared = await self.weights.prepare(msg)
         try:
-            await self.pool.for_all("update_weights_from_disk", path, version)
+            await self.pool.for_all("pause_generation")
+            try:
+                await asyncio.gather(*(self.weights.load(c, prepared, version) for c in self.pool.clients))
+            finally:
+                await self.pool.for_all("continue_generation")
         finally:
-            await self.pool.for_all("continue_generation")
+            await self.weights.release(prepared)
         self.gate.set_version(version)
         stats = {"sync/update_s": time.perf_counter() - t0, "rollout/groups_pushed": self.groups_pushed,
                  "rollout/trajectories_pushed": self.trajectories_pushed, "rollout/interrupted": self.interrupted,
@@ -154,7 +159,7 @@ class RolloutController:
         async for msg in self.controls:
             kind = msg.get("kind")
             if kind == "weights":
-                await self.apply_weights(self.weights_path(msg), int(msg["version"]))
+                await self.apply_weights(msg)
             elif kind == "stop":
                 self.final_version = int(msg.get("final_version", self.gate.version))
                 logger.info("trainer finished at version %s: stopping rollout", self.final_version)

@@ -10,9 +10,9 @@ ALLOWED = {
     "rewards": {"types"},
     "tasks": {"types", "config", "rewards"},
     "transport": BASE,
-    "engine": BASE,
+    "engine": BASE | {"weight_sync"},  # the engine loads what a weight transport delivers
     "agent": BASE | {"rewards"},
-    "rollout": BASE | {"agent", "transport", "engine", "rewards", "tasks"},
+    "rollout": BASE | {"agent", "transport", "engine", "rewards", "tasks", "weight_sync"},
     "trainer": BASE,
     "weight_sync": BASE,
 }
