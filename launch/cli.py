@@ -49,9 +49,9 @@ def _dispatch(command: str, cfg: Config) -> int:
         print(line, flush=True)
 
     if command == "run":
-        from launch.local import run_local
+        from launch.launchers import LAUNCHERS
 
-        for line in run_local(cfg):
+        for line in LAUNCHERS[cfg.launcher](cfg):
             print(line, flush=True)
         print(f"run directory: {cfg.run_dir}", flush=True)
         return 0

@@ -10,6 +10,7 @@ the gate one version further) and the end of the run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +22,7 @@ from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
 from async_rl.rollout.staleness import StalenessGate
 from async_rl.types import Sample, SamplingParams, new_id
 from async_rl.utils.metrics import MetricsLogger
+from async_rl.utils.seeding import derive_seed
 from async_rl.weight_sync.receivers import DiskWeightReceiver
 
 logger = logging.getLogger(__name__)
@@ -73,22 +75,26 @@ class RolloutController:
         self._error: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
+        self._seed = cfg.seed
 
     # ------------------------------------------------------------------ one group
-    async def _one(self, sample: Sample, group_id: str):
+    async def _one(self, sample: Sample, group_id: str, index: int):
+        # the sampling seed depends only on the run seed, the sample and its place in the group, so a
+        # run is reproducible and eta=0 async samples exactly what sync does
+        params = dataclasses.replace(self.params, seed=derive_seed(self._seed, sample.id, index))
         async with self.slots:
             i = self.pool.acquire()
             try:
                 agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, self.pool.clients[i],
                                          self.tokenizer, self.task.reward)
-                return await agent.run(sample, self.params, group_id=group_id)
+                return await agent.run(sample, params, group_id=group_id)
             finally:
                 self.pool.release(i)
 
     async def _group(self, sample: Sample) -> None:
         group_id = new_id()
         t0 = time.perf_counter()
-        trajs = await asyncio.gather(*(self._one(sample, group_id) for _ in range(self.cfg.rollout.group_size)))
+        trajs = await asyncio.gather(*(self._one(sample, group_id, k) for k in range(self.cfg.rollout.group_size)))
         for t in trajs:
             t.timings["group_s"] = time.perf_counter() - t0
         await self.sink.put_group(list(trajs))
@@ -171,6 +177,7 @@ class RolloutController:
 
     async def run(self, seed: int) -> None:
         """Produce groups until the trainer says stop (or the control channel closes)."""
+        self._seed = seed
         samples = self.task.train_samples(seed)
         admit = asyncio.create_task(self._admit_loop(samples))
         control = asyncio.create_task(self._control_loop())

@@ -1,0 +1,15 @@
+"""Run launchers, chosen by `launcher`: place trainer, rollout and generation servers, supervise, tear down.
+
+    lines = LAUNCHERS[cfg.launcher](cfg)     # the run's summary lines
+
+`local` runs them as child processes of this one; `ray` places them on a Ray cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from async_rl.config import Config
+from launch.local import run_local
+
+LAUNCHERS: dict[str, Callable[[Config], list[str]]] = {"local": run_local}

@@ -1,0 +1,25 @@
+"""Generation-server launchers, chosen by `engine.backend`: start server number `index`, return (process, url).
+
+    proc, url = SERVER_LAUNCHERS[cfg.engine.backend](cfg, 0)
+
+`embedded` starts this project's engine (`async-rl serve`) as a child process. Other
+backends (SGLang) register here too; the rollout side and the Ray launcher pick from this
+dict and never test backend names themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from async_rl.config import Config
+from launch.procs import start_server
+
+ServerLauncher = Callable[[Config, int], tuple[Any, str]]
+
+
+def start_embedded(cfg: Config, index: int) -> tuple[Any, str]:
+    return start_server(cfg)
+
+
+SERVER_LAUNCHERS: dict[str, ServerLauncher] = {"embedded": start_embedded}
