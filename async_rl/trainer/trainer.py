@@ -116,7 +116,8 @@ class PPOTrainer:
                                std_norm=self.cfg.adv_std_norm)  # [N]
         minibatches = self._split(trajs, adv)
         stats = self._staleness(minibatches)
-        prox = self._prox_logprobs(minibatches) if len(minibatches) > 1 else None
+        local = [self._local_share(micros) for micros in minibatches]  # what this process runs
+        prox = self._prox_logprobs(local) if len(minibatches) > 1 else None
         acc = _StatsAccumulator()
         steps = skipped = 0
         self.model.train()
@@ -126,9 +127,8 @@ class PPOTrainer:
                 if total == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                for k, batch in enumerate(micros):
-                    if batch.num_tokens:
-                        self._accumulate(batch, prox[m][k] if prox is not None else None, total, acc)
+                for k, batch in enumerate(local[m]):
+                    self._accumulate(batch, prox[m][k] if prox is not None else None, total, acc)
                 norm = self._clip_grads()
                 acc.add_grad_norm(norm)
                 if math.isfinite(norm):
@@ -141,21 +141,34 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         finally:
             self.model.eval()
-        stats = {**_NO_UPDATE, **stats, **acc.result()}
+        stats = {**_NO_UPDATE, **stats, **self._stats_result(acc)}
         stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
         return stats
 
     def _accumulate(self, batch: Batch, prox: torch.Tensor | None, total: int, acc: "_StatsAccumulator") -> None:
         """Forward + backward of one micro-batch, weighted so the minibatch loss is a token mean."""
-        with self._autocast():
-            logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
-                                      score_mask=batch.loss_mask)  # [B, L-1]
+        logprobs = self._logprobs(batch)  # [B, L-1]
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
         prox_lp = logprobs.detach() if prox is None else prox
         loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
                                eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap)
         (loss * (batch.num_tokens / total)).backward()
         acc.add({"loss": float(loss.detach()), **s}, batch.num_tokens)
+
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, L-1] log-probs of the batch's trained tokens under the current weights."""
+        with self._autocast():
+            return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
+                                  score_mask=batch.loss_mask)
+
+    # Seams for data-parallel backends (trainer/backends/): which micro-batches this process
+    # runs, and how its token-weighted stats combine with the other processes'.
+    def _local_share(self, micros: list[Batch]) -> list[Batch]:
+        """The micro-batches of one minibatch this process runs forward and backward."""
+        return [b for b in micros if b.num_tokens]
+
+    def _stats_result(self, acc: "_StatsAccumulator") -> dict[str, float]:
+        return acc.result()
 
     def _autocast(self):
         """bf16 compute with fp32 master weights when the compute dtype is bfloat16."""
@@ -190,9 +203,7 @@ class PPOTrainer:
     @torch.no_grad()
     def _prox_logprobs(self, minibatches: list[list[Batch]]) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the weights at the start of the step."""
-        with self._autocast():
-            return [[token_logprobs(self.model, b.input_ids, b.attention_mask, self.temperature,
-                                    score_mask=b.loss_mask) for b in micros] for micros in minibatches]
+        return [[self._logprobs(b) for b in micros] for micros in minibatches]
 
 
 class _StatsAccumulator:
