@@ -121,6 +121,7 @@ class RayConfig:
     num_gpus_per_server: float = 0.0  # GPU bundle of one generation server (0 on CPU clusters)
     num_cpus_per_trainer: float = 1.0  # CPU bundle of one trainer rank
     num_gpus_per_trainer: float = 0.0  # GPU bundle of one trainer rank
+    placement_timeout_s: float = 120.0  # a placement group not placed by then is an error naming the resources
 
 
 @dataclass
@@ -179,7 +180,8 @@ def validate(cfg: Config) -> None:
                 "trainer.batch_size", "trainer.minibatches", "trainer.micro_batch_tokens",
                 "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",
                 "transport.capacity", "task.eval_size", "rollout.num_servers", "trainer.world_size",
-                "weight_sync.bucket_mb", "weight_sync.deadline_s", "rollout.health_interval_s"]
+                "weight_sync.bucket_mb", "weight_sync.deadline_s", "rollout.health_interval_s",
+                "ray.placement_timeout_s"]
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)!r}")
