@@ -4,6 +4,7 @@
     async-rl train   --config C [key=value ...]   the trainer side alone (binds transport.addr)
     async-rl rollout --config C [key=value ...]   the rollout side alone (connects to transport.addr)
     async-rl serve   --config C [key=value ...]   one generation server alone
+    async-rl report  RUN_DIR [--out DIR]          PNG plots + one HTML page of a run (RUN_DIR/report)
 
 Every failure the user can cause (missing config, unknown key, wrong type, unreachable
 address, a child process dying) ends as one `error: ...` line and exit code 2.
@@ -31,7 +32,21 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("--config", "-c", required=True, help="YAML config file (see configs/)")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-5")
+    text = "PNG plots and one HTML page from a run directory's metrics"
+    p = sub.add_parser("report", help=text, description=text)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's run_dir (holds metrics.jsonl)")
+    p.add_argument("--out", "-o", default=None, help="where the report goes (default RUN_DIR/report)")
     return parser
+
+
+def _report(run_dir: str, out: str | None) -> int:
+    from async_rl.report import write_report
+
+    report = write_report(run_dir, out)
+    for line in report.skipped:
+        print(f"not drawn: {line}", flush=True)
+    print(f"report: {len(report.images)} plots and {report.index}", flush=True)
+    return 0
 
 
 def _check_standalone(cfg: Config, command: str) -> None:
@@ -82,6 +97,8 @@ def _dispatch(command: str, cfg: Config) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "report":
+            return _report(args.run_dir, args.out)
         cfg = load_config(args.config, args.overrides)
         setup_logging(cfg.log.level, cfg.run_dir, "launcher", console_level="WARNING")
         return _dispatch(args.command, cfg)

@@ -15,6 +15,7 @@ ALLOWED = {
     "rollout": BASE | {"agent", "transport", "engine", "rewards", "tasks", "weight_sync"},
     "trainer": BASE,
     "weight_sync": BASE,
+    "report": BASE,  # reads run directories; knows no component
 }
 
 

@@ -1,0 +1,172 @@
+"""`async-rl report RUN_DIR` on a real finished debug run, on runs with more or fewer metrics, and on bad input."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from async_rl.report import compare_runs, plot_curves, write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
+STEPS = 4
+ALWAYS = ["reward", "accuracy", "throughput", "staleness", "queue", "interruptions", "idle", "optimisation"]
+
+
+def cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_png(path: Path, min_px: int = 300) -> None:
+    with Image.open(path) as im:
+        assert im.format == "PNG", path
+        assert min(im.size) >= min_px, (path, im.size)
+        im.verify()
+
+
+def img_sources(index: Path) -> list[str]:
+    return re.findall(r'<img src="([^"]+)"', index.read_text())
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("run")
+    res = cli("run", "--config", DEBUG, f"run_dir={run_dir}", f"total_steps={STEPS}", "log.progress=false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run_dir
+
+
+def test_report_of_a_finished_debug_run(debug_run):
+    res = cli("report", str(debug_run))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = debug_run / "report"
+    index = out / "index.html"
+    assert f"report: {len(ALWAYS)}" in res.stdout or "report:" in res.stdout
+    assert str(index) in res.stdout
+    sources = img_sources(index)
+    for name in ALWAYS:
+        assert f"{name}.png" in sources, name
+    for src in sources:
+        assert "/" not in src  # relative to the page: the report directory can be moved
+        assert_png(out / src)
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(sources)
+    html = index.read_text()
+    assert "greedy accuracy" in html and "max_staleness" in html
+    # panels whose metrics this run lacks are named on the page and on the console, not silently dropped
+    for line in res.stdout.splitlines():
+        if line.startswith("not drawn: "):
+            assert line.split(": ", 2)[1] in html
+
+
+def test_default_run_writes_tensorboard_events(debug_run):
+    acc = EventAccumulator(str(debug_run / "tensorboard" / "metrics"), size_guidance={"scalars": 0})
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    for key in ("train/reward_mean", "train/loss", "queue/depth", "timing/step_s", "policy_version"):
+        assert key in scalars, key
+    assert [e.step for e in acc.Scalars("train/reward_mean")] == list(range(STEPS))
+
+
+def test_report_to_another_directory(debug_run, tmp_path):
+    res = cli("report", str(debug_run), "--out", str(tmp_path / "rep"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for src in img_sources(tmp_path / "rep" / "index.html"):
+        assert_png(tmp_path / "rep" / src)
+
+
+@pytest.mark.parametrize("make", ["missing", "empty_dir", "empty_files", "a_file"])
+def test_bad_run_dir_is_one_error_line(tmp_path, make):
+    target = tmp_path / "run"
+    if make == "empty_dir":
+        target.mkdir()
+    elif make == "empty_files":
+        target.mkdir()
+        for name in ("metrics.jsonl", "rollout_metrics.jsonl", "eval.jsonl"):
+            (target / name).write_text("")
+    elif make == "a_file":
+        target.write_text("x")
+    res = cli("report", str(target), timeout=60)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: RUN_DIR: "), res.stderr
+    assert not (target / "report").exists()
+
+
+def _rows(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def synthetic_run(run_dir: Path, steps: int = 12, eta: int = 2, extra: bool = True) -> Path:
+    """A run directory with every metric the report knows, as the lead's newer processes log them."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(f"mode: async\nmax_staleness: {eta}\ntotal_steps: {steps}\n")
+    train = []
+    for s in range(steps):
+        row = {"step": s, "time": 1000.0 + s, "policy_version": s + 1, "train/reward_mean": s / steps,
+               "train/num_trajectories": 16.0, "timing/step_s": 1.0, "timing/wait_s": 0.4, "timing/train_s": 0.5,
+               "timing/publish_s": 0.1, "train/staleness_mean": 0.5, "train/staleness_max": 1.0,
+               "queue/depth": s % 3, "rollout/interrupted": s % 2, "train/loss": 0.1, "train/grad_norm": 1.0}
+        if extra:
+            row |= {"train/staleness_hist": [8, 6, 2][: eta + 1], "train/versions_per_traj_mean": 1.2,
+                    "timing/idle_s": 0.3}
+        train.append(row)
+    _rows(run_dir / "metrics.jsonl", train)
+    _rows(run_dir / "rollout_metrics.jsonl", [
+        {"step": v, "time": 1000.5 + v, "rollout/in_flight": 5, "engine/tokens_per_s": 100.0 + v,
+         "sync/update_s": 0.1, **({"engine/idle_frac": 0.2} if extra else {})} for v in range(1, steps + 1)])
+    evals = [{"when": "before", "policy_version": 0, "eval/accuracy": 0.1, "eval/n": 8}]
+    if extra:
+        evals.append({"when": "during", "step": 5, "policy_version": 6, "timing/train_wall_s": 6.0,
+                      "eval/accuracy": 0.4, "eval/n": 8})
+    evals.append({"when": "after", "policy_version": steps, "eval/accuracy": 0.6, "eval/n": 8})
+    _rows(run_dir / "eval.jsonl", evals)
+    return run_dir
+
+
+def test_every_panel_is_drawn_when_every_metric_is_there(tmp_path):
+    report = write_report(synthetic_run(tmp_path / "full"))
+    assert report.skipped == []
+    assert [p.stem for p in report.images] == ALWAYS[:4] + ["staleness_hist", "versions"] + ALWAYS[4:]
+    for p in report.images:
+        assert_png(p)
+    assert "not drawn" not in report.index.read_text()
+
+
+def test_missing_metrics_skip_their_panel_and_say_so(tmp_path):
+    run = synthetic_run(tmp_path / "old", extra=False)
+    write_report(run)  # a stale plot from an earlier report must not survive a panel that is now skipped
+    (run / "report" / "versions.png").write_bytes(b"old")
+    report = write_report(run)
+    names = [p.stem for p in report.images]
+    assert "staleness_hist" not in names and "versions" not in names
+    assert not (run / "report" / "versions.png").exists()
+    html = report.index.read_text()
+    assert "Engine idle time: not drawn, the run has no engine/idle_frac (rollout_metrics.jsonl)" in html
+    assert any("train/staleness_hist" in s for s in report.skipped)
+
+
+def test_rollout_side_alone_and_a_half_written_last_line(tmp_path):
+    run = synthetic_run(tmp_path / "r")
+    (run / "metrics.jsonl").unlink()
+    with (run / "rollout_metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 99, "engine/tok')  # the run is still writing
+    report = write_report(run)
+    assert {p.stem for p in report.images} == {"accuracy", "throughput", "queue", "interruptions", "idle"}
+    assert any(s.startswith("Train reward: the run has no train/reward_mean") for s in report.skipped)
+
+
+def test_benchmark_helpers_draw_several_runs(tmp_path):
+    a = synthetic_run(tmp_path / "a")
+    b = synthetic_run(tmp_path / "b", eta=1, extra=False)
+    assert_png(compare_runs({"async η=2": a, "async η=1": b}, tmp_path / "curves.png"))
+    path = plot_curves({"x": ([0, 1, 2], [0.0, 0.5, 1.0]), "y": ([0, 1, 2], [1.0, 0.5, 0.0])}, tmp_path / "c.png",
+                       title="t", xlabel="step", ylabel="reward")
+    assert_png(path, min_px=200)
+    with pytest.raises(ValueError, match="path"):
+        plot_curves({}, title="t", xlabel="x", ylabel="y")
