@@ -2,7 +2,8 @@
 
 Each protocol has more than one implementation, or will (see ROADMAP.md): the embedded
 engine's HTTP client and SGLang behind `GenerationClient`; the ZeroMQ queue behind
-`TrajectorySink`; disk and ZeroMQ weight transports behind `WeightPublisher`.
+`TrajectorySink`; disk, ZeroMQ and
+torch.distributed weight transports behind `WeightPublisher` / `WeightReceiver`.
 """
 
 from __future__ import annotations
@@ -46,8 +47,13 @@ class TrajectorySink(Protocol):
 class WeightPublisher(Protocol):
     """Makes a trainer's weights of one version available to the rollout side."""
 
-    def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
-        """Write the weights; return the message that tells the rollout side where they are."""
+    def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any] | None:
+        """Make `version` available (raising, with the old version still in use, on any failure or
+        after `weight_sync.deadline_s`); return the "weights" control message that tells the rollout
+        side, or None when the publisher already sent it (dist: it must precede the collective).
+
+        Implementations: disk (a file on a shared file system), zmq (checksummed buckets over the
+        trajectory queue), dist (bucketed broadcast over a torch.distributed group)."""
         ...
 
 

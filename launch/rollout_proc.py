@@ -44,8 +44,8 @@ async def _run(cfg: Config, addrs: list[str]) -> None:
         mc = cfg.rollout.max_concurrent
         _record_eval(cfg, "before", 0, await evaluate(clients, tokenizer, task, eval_set,
                                                       cfg.rollout.eval_max_new_tokens, mc))
-        controller = RolloutController(cfg, clients, queue, queue.controls(), tokenizer, task, metrics,
-                                       weights=build_receiver(cfg))
+        controller = RolloutController(cfg, pool, queue, queue.controls(), tokenizer, task, metrics,
+                                       weights=weights)
         await controller.run(cfg.seed)
         if controller.final_version is not None:
             _record_eval(cfg, "after", controller.final_version,
@@ -70,3 +70,4 @@ def rollout_main(cfg: Config) -> None:
     finally:
         if server is not None:
             stop_all([server])
+    weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue

@@ -16,7 +16,8 @@ from async_rl.trainer.checkpoint import save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
-from async_rl.weight_sync.disk import DiskWeightPublisher, ZmqWeightPayload
+from async_rl.protocols import WeightPublisher
+from async_rl.weight_sync.publishers import build_publisher
 from async_rl.utils.hardware import resolve_device
 from launch.common import effective_threads
 
@@ -53,6 +54,16 @@ def _wait_producers_gone(queue: TrajectoryQueueServer, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def publish_weights(publisher: WeightPublisher, queue: TrajectoryQueueServer, state_dict: dict,
+                    version: int) -> dict[str, float]:
+    """Publish one version through `weight_sync.transport` and tell the rollout side; return sync/ metrics.
+    Raises (the old weights stay in use everywhere) when the transport fails or misses its deadline."""
+    msg = publisher.publish(state_dict, version)
+    if msg is not None:  # dist announces the version itself, before its collective
+        queue.broadcast(msg)
+    return dict(getattr(publisher, "stats", {}))
+
+
 def trainer_main(cfg: Config) -> None:
     torch.set_num_threads(effective_threads(cfg.trainer.num_threads, cfg.mode))
     torch.manual_seed(cfg.seed)
@@ -62,13 +73,11 @@ def trainer_main(cfg: Config) -> None:
     model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
     eta = 0 if cfg.mode == "sync" else cfg.max_staleness
     trainer = PPOTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature, max_staleness=eta, seed=cfg.seed)
-    # the staleness gate keeps the trainer at most eta + 1 versions ahead of the weights the rollout
-    # has loaded, so that many files must survive pruning until the rollout reads them
-    publisher = DiskWeightPublisher(str(run_dir / "weights"), keep_last=max(cfg.weight_sync.keep_last, eta + 2))
     metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
     queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
                                   heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s)
     logger.info("trainer queue listening on %s", queue.address)
+    publisher = build_publisher(cfg, queue.broadcast)  # weight_sync.transport: disk | zmq | dist
     (run_dir / "trainer_address").write_text(queue.address)
     bar = tqdm(total=cfg.total_steps, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress, dynamic_ncols=True)
     try:
@@ -78,10 +87,7 @@ def trainer_main(cfg: Config) -> None:
             wait_s = time.perf_counter() - t0
             stats = trainer.train_step(groups)
             t1 = time.perf_counter()
-            msg = publisher.publish(trainer.state_dict(), trainer.policy_version)
-            if cfg.weight_sync.transport == "zmq":
-                msg["blob"] = ZmqWeightPayload.to_bytes(msg["path"])
-            queue.broadcast(msg)
+            stats.update(publish_weights(publisher, queue, trainer.state_dict(), trainer.policy_version))
             queue.ack([t.id for g in groups for t in g])
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,

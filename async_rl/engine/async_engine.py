@@ -374,6 +374,36 @@ def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
         pass
 
 
+    # ------------------------------------------------------------------ streamed weights (weight_sync)
+    async def update_weights_from_staged(self, path: str, version: int) -> dict[str, float]:
+        """Swap in a staged version (a safetensors file assembled from streamed buckets) at one step
+        boundary, so no forward pass mixes two versions. Each tensor is copied once from a memory map:
+        no second copy of the model is held. Names and shapes are checked before any weight changes (the
+        old weights stay on error), and a version not newer than the current one is refused."""
+        from async_rl.weight_sync.staging import WeightVersionError, map_weights
+
+        def check() -> None:
+            if version <= self.weight_version:
+                raise WeightVersionError(f"weight_version: {version} is not newer than the version in use "
+                                         f"({self.weight_version}); a version going backwards is refused")
+
+        check()
+        t0 = time.perf_counter()
+        state = await asyncio.to_thread(map_weights, path)
+        read_s = time.perf_counter() - t0
+
+        def apply() -> dict[str, float]:
+            check()
+            stats = self.engine.update_weights(state, version)
+            self.weight_version = version
+            self._counts["weight_updates"] += 1
+            return stats
+
+        try:
+            return {"engine/update_read_s": read_s, **(await self._call(apply))}
+        finally:
+            state.clear()
+
 def _set_result(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
         fut.set_result(value)

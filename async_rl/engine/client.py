@@ -148,3 +148,35 @@ class HttpGenerationClient:
                     f"generation server {self.address} not reachable after {timeout_s:g}s ({why}); "
                     "is it running and is the address right?")
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    # ------------------------------------------------------------------ distributed weight updates (SGLang's routes)
+    async def _weight_call(self, path: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        body = await self._request("POST", path, payload, timeout_s=timeout_s)
+        if not body.get("success", False):
+            raise RuntimeError(f"{self.address}{path}: {body.get('message', body)}")
+        return body
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str = "gloo", *,
+                                        timeout_s: float = 120.0) -> dict[str, Any]:
+        """Join the trainer's weight-update group (returns once the whole group has formed)."""
+        return await self._weight_call("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend, "timeout_s": timeout_s},
+            timeout_s + 10.0)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: int, *, load_format: str | None = None,
+                                              bucket_bytes: int | None = None,
+                                              timeout_s: float = 120.0) -> dict[str, Any]:
+        """Receive one version broadcast by the trainer over `group_name` and load it."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                   "weight_version": int(weight_version), "load_format": load_format,
+                                   "flush_cache": True}
+        if bucket_bytes is not None:
+            payload["bucket_bytes"] = int(bucket_bytes)
+        return await self._weight_call("/update_weights_from_distributed", payload, timeout_s + 10.0)
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name},
+                                   timeout_s=30.0)

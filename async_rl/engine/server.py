@@ -252,6 +252,7 @@ class _App:
                 "context_length": e.max_context, "max_new_tokens_limit": e.max_new_tokens_limit,
                 "eos_token_ids": sorted(e.engine.eos_token_ids), "weight_version": e.weight_version}
 
+    from async_rl.engine.weight_routes import weight_router  # likewise
 
 def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None) -> FastAPI:
     """The FastAPI app: native routes plus the OpenAI-compatible ones (these need `tokenizer`)."""
@@ -310,3 +311,4 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None) ->
 
     add_openai_routes(app, engine, tokenizer=tokenizer, model_name=model_name)
     return app
+    app.include_router(weight_router(engine))  # SGLang's distributed weight-update routes

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,7 @@ class TrajectoryQueueClient:
         self._seq = 0
         self._kick = asyncio.Event()
         self._controls: asyncio.Queue = asyncio.Queue()
+        self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {}
         self._error: BaseException | None = None
         self._closed = False
         self._last_seen = time.monotonic()
@@ -149,6 +150,21 @@ class TrajectoryQueueClient:
             if self._waiters.pop(seq, None) is not None:  # never sent: withdraw it
                 self._forget(seq)
             raise
+
+    def on_control(self, kind: str, handler: Callable[[dict[str, Any]], None]) -> None:
+        """Hand CONTROL maps of `kind` to `handler` as they arrive (in the receive task, in order with
+        the rest) instead of queueing them for `controls()`; e.g. weight buckets written to disk at once."""
+        self._handlers[kind] = handler
+
+    def _dispatch(self, body: dict[str, Any]) -> None:
+        handler = self._handlers.get(body["kind"])
+        if handler is None:
+            self._controls.put_nowait(body)
+            return
+        try:
+            handler(body)
+        except Exception:  # a handler's bug must not stop the receive task (credits, acks, heartbeats)
+            logger.exception("control handler for %r failed", body["kind"])
 
     async def controls(self) -> AsyncIterator[dict[str, Any]]:
         """CONTROL maps from the trainer, in order; ends at close(), raises PeerTimeoutError if it goes silent."""
@@ -275,7 +291,7 @@ class TrajectoryQueueClient:
                         if not self._groups[seq].open_ids:
                             del self._groups[seq]
             elif isinstance(msg, Control):
-                self._controls.put_nowait(msg.body)
+                self._dispatch(msg.body)
             elif isinstance(msg, TrainerHeartbeat):
                 if msg.registered:
                     self._granted = msg.granted

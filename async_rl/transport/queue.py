@@ -193,10 +193,24 @@ class TrajectoryQueueServer:
             self._counts["queue/consumed"] += len(ids)
         self._post("ack", ids)
 
-    def broadcast(self, control: dict[str, Any]) -> None:
-        """Send a CONTROL map (with a string "kind"; may hold a large bytes blob) to every producer."""
+    def broadcast(self, control: dict[str, Any], wait_s: float | None = None) -> None:
+        """Send a CONTROL map (with a string "kind"; may hold large bytes or arrays) to every producer.
+
+        With `wait_s`, return only once ZeroMQ has handed the frame to every producer's connection
+        (so a sender of large payloads holds one at a time), or raise TimeoutError after `wait_s`."""
         Control.from_wire(control)  # reject a map producers would reject, here, with the same message
-        self._post("control", encode(control))
+        if wait_s is None:
+            self._post("control", encode(control))
+            return
+        frame = zmq.Frame(encode(control), track=True)
+        tracker = frame.tracker
+        self._post("control", frame)
+        del frame  # the socket thread drops its reference once sent; then the tracker completes
+        try:
+            tracker.wait(wait_s)
+        except zmq.NotDone:
+            raise TimeoutError(f"trajectory queue at {self.address}: a {control.get('kind')!r} message was not "
+                               f"sent within {wait_s:g}s") from None
 
     def stats(self) -> dict[str, int]:
         with self._cond:
@@ -350,6 +364,7 @@ class TrajectoryQueueServer:
             if what == "control":
                 for identity in list(self._producers):
                     self._send_frames(identity, [CONTROL, item])
+                del item  # a tracked frame completes once no reference is left
             else:
                 for tid in item:
                     identity = self._owner.pop(tid, None)

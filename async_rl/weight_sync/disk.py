@@ -1,9 +1,8 @@
-"""Publish trainer weights as safetensors files; optionally ship the bytes inside a queue message.
+"""The `disk` weight transport: the trainer writes safetensors files and only the path travels.
 
-`disk`: the trainer writes `weights_v{version:06d}.safetensors` and only the path travels
-(rollout and trainer share a file system). `zmq`: the same file's bytes travel in the
-control message (`ZmqWeightPayload`) and the rollout side writes them into its own
-directory, so the two sides need no shared directory.
+The trainer writes `weights_v{version:06d}.safetensors` and the rollout side (which shares
+its file system) loads that path into each server. The streaming transports (`zmq.py`,
+`dist.py`) stage files of the same format on the receiving side.
 
 Files are written under a temporary name and renamed, so a reader never sees half a
 file. Tensors that are one tensor in the model (a tied embedding and LM head) are
@@ -25,6 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from async_rl.weight_sync.layout import unique_tensors
+
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^weights_v(\d+)\.safetensors$")
@@ -36,19 +37,7 @@ def weights_filename(version: int) -> str:
 
 def _dedup(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(CPU contiguous tensors sharing no storage, {dropped name: kept name} for identical tensors)."""
-    kept: dict[tuple, str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}]: expected a tensor, got {type(t).__name__}")
-        t = t.detach()
-        key = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if t.numel() and key in kept:
-            aliases[name] = kept[key]
-            continue
-        kept[key] = name
-        tensors[name] = t
+    tensors, aliases = unique_tensors(state_dict)
     seen: set[int] = set()
     for name, t in tensors.items():
         t = t.to("cpu")
@@ -61,13 +50,7 @@ def _dedup(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return tensors, aliases
 
 
-def _atomic_write_bytes(out: Path, blob: bytes) -> None:
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    tmp.write_bytes(blob)
-    os.replace(tmp, out)
-
-
-def _prune(directory: Path, version: int, keep_last: int) -> None:
+def prune(directory: Path, version: int, keep_last: int) -> None:
     """Remove weight files more than `keep_last` versions older than `version`."""
     for f in directory.iterdir():
         m = _NAME.match(f.name)
@@ -75,7 +58,7 @@ def _prune(directory: Path, version: int, keep_last: int) -> None:
             f.unlink(missing_ok=True)
 
 
-def _check_keep_last(keep_last: int) -> int:
+def check_keep_last(keep_last: int) -> int:
     if keep_last < 1:
         raise ValueError(f"weight_sync.keep_last: must be >= 1, got {keep_last}")
     return keep_last
@@ -87,7 +70,7 @@ class DiskWeightPublisher:
     def __init__(self, dir: str | Path, keep_last: int = 2):
         self.dir = Path(dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.keep_last = _check_keep_last(keep_last)
+        self.keep_last = check_keep_last(keep_last)
 
     def path_for(self, version: int) -> Path:
         return self.dir / weights_filename(version)
@@ -101,7 +84,7 @@ class DiskWeightPublisher:
         tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
         save_file(tensors, str(tmp), metadata={"policy_version": str(version), "aliases": json.dumps(aliases)})
         os.replace(tmp, out)
-        _prune(self.dir, version, self.keep_last)
+        prune(self.dir, version, self.keep_last)
         logger.debug("published weights v%d to %s", version, out)
         return {"kind": "weights", "version": version, "path": str(out)}
 
@@ -127,34 +110,3 @@ def weights_version(path: str | Path) -> int:
         raise ValueError(f"{path}: no policy_version in its metadata (not written by DiskWeightPublisher)")
     return int(meta["policy_version"])
 
-
-class ZmqWeightPayload:
-    """Weights as bytes inside a control message, written back to disk on the receiving side."""
-
-    @staticmethod
-    def to_bytes(path: str | Path) -> bytes:
-        return Path(path).read_bytes()
-
-    @staticmethod
-    def write_received(blob: bytes, dir: str | Path, version: int, keep_last: int = 2) -> Path:
-        """Write a received file as `dir/weights_v{version}.safetensors` (atomically); return its path."""
-        _check_safetensors(blob)
-        d = Path(dir).resolve()
-        d.mkdir(parents=True, exist_ok=True)
-        out = d / weights_filename(version)
-        _atomic_write_bytes(out, blob)
-        _prune(d, version, _check_keep_last(keep_last))
-        return out
-
-
-def _check_safetensors(blob: bytes) -> None:
-    """Raise ValueError unless `blob` starts like a safetensors file (length-prefixed JSON header)."""
-    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) < 8:
-        raise ValueError("weights blob: too short to be a safetensors file")
-    n = int.from_bytes(bytes(blob[:8]), "little")
-    if n <= 0 or 8 + n > len(blob):
-        raise ValueError(f"weights blob: header length {n} does not fit in {len(blob)} bytes")
-    try:
-        json.loads(bytes(blob[8:8 + n]))
-    except ValueError:
-        raise ValueError("weights blob: header is not JSON; not a safetensors file") from None

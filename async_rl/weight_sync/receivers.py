@@ -1,20 +1,21 @@
 """Rollout-side receivers of the weight transports (`WeightReceiver`), chosen by `weight_sync.transport`.
 
-    receiver = build_receiver(cfg)             # from RECEIVERS
-    prepared = await receiver.prepare(msg)     # once per version
+    receiver = build_receiver(cfg, queue)      # from RECEIVERS; `queue` feeds the zmq buckets
+    prepared = await receiver.prepare(msg)     # once per version (the "weights" control message)
     await receiver.load(client, prepared, v)   # once per generation server (under a deadline)
     await receiver.release(prepared)
 """
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config
-from async_rl.protocols import GenerationClient
-from async_rl.weight_sync.disk import ZmqWeightPayload
+from async_rl.protocols import GenerationClient, WeightReceiver
+from async_rl.weight_sync.dist import DistWeightReceiver
+from async_rl.weight_sync.zmq_buckets import ZmqWeightReceiver
 
 
 class DiskWeightReceiver:
@@ -30,35 +31,33 @@ class DiskWeightReceiver:
         return None
 
 
-class ZmqWeightReceiver(DiskWeightReceiver):
-    """`zmq`: the file's bytes travel in the message; written into this side's run directory first."""
-
-    def __init__(self, directory: str | Path, keep_last: int):
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-
-    async def prepare(self, msg: dict[str, Any]) -> str:
-        if msg.get("blob") is None:
-            return str(msg["path"])
-        out = await asyncio.to_thread(ZmqWeightPayload.write_received, msg["blob"], self.directory,
-                                      int(msg["version"]), self.keep_last)
-        return str(out)
+def keep_last(cfg: Config) -> int:
+    """Versions kept on disk: enough for the staleness bound (the trainer runs up to eta + 1 ahead)."""
+    eta = 0 if cfg.mode == "sync" else cfg.max_staleness
+    return max(cfg.weight_sync.keep_last, eta + 2)
 
 
-def _disk(cfg: Config) -> DiskWeightReceiver:
+def _disk(cfg: Config, queue: Any) -> DiskWeightReceiver:
     return DiskWeightReceiver()
 
 
-def _zmq(cfg: Config) -> ZmqWeightReceiver:
-    return ZmqWeightReceiver(Path(cfg.run_dir) / "weights", max(cfg.weight_sync.keep_last, cfg.max_staleness + 2))
+def _zmq(cfg: Config, queue: Any) -> ZmqWeightReceiver:
+    receiver = ZmqWeightReceiver(Path(cfg.run_dir) / "weights", keep_last(cfg))
+    if queue is not None:
+        receiver.attach(queue)
+    return receiver
 
 
-RECEIVERS = {"disk": _disk, "zmq": _zmq}
+def _dist(cfg: Config, queue: Any) -> DistWeightReceiver:
+    return DistWeightReceiver(cfg.weight_sync.deadline_s)
 
 
-def build_receiver(cfg: Config):
-    """The receiver of `weight_sync.transport`."""
+RECEIVERS: dict[str, Callable[[Config, Any], WeightReceiver]] = {"disk": _disk, "zmq": _zmq, "dist": _dist}
+
+
+def build_receiver(cfg: Config, queue: Any = None) -> WeightReceiver:
+    """The receiver of `weight_sync.transport`; `queue` (a TrajectoryQueueClient) delivers zmq buckets."""
     name = cfg.weight_sync.transport
     if name not in RECEIVERS:
         raise ValueError(f"weight_sync.transport: {name!r} has no receiver here; allowed: {', '.join(sorted(RECEIVERS))}")
-    return RECEIVERS[name](cfg)
+    return RECEIVERS[name](cfg, queue)

@@ -1,5 +1,5 @@
 """Disk weight publishing: a published file loads into a fresh model with identical outputs,
-tied weights are stored once, old versions are pruned, and the bytes survive a trip through a message."""
+tied weights are stored once, and old versions are pruned."""
 
 import os
 
@@ -10,7 +10,7 @@ from safetensors.torch import load_file, load_model
 from async_rl.config import ModelConfig
 from async_rl.models import build_tiny_tokenizer, load_model as load_async_rl_model
 from async_rl.protocols import WeightPublisher
-from async_rl.weight_sync.disk import DiskWeightPublisher, ZmqWeightPayload, load_weights, weights_version
+from async_rl.weight_sync.disk import DiskWeightPublisher, load_weights, weights_version
 
 ALPHABET = "0123456789+= "
 
@@ -88,20 +88,3 @@ def test_keep_last_prunes_older_versions(tmp_path):
     with pytest.raises(FileNotFoundError, match="pruned"):
         load_weights(tmp_path / "weights_v000001.safetensors")
 
-
-def test_weights_travel_as_bytes(tok, tmp_path):
-    torch.manual_seed(1)
-    trained = _perturbed(tok)
-    msg = DiskWeightPublisher(tmp_path / "trainer").publish(trained.state_dict(), 7)
-    blob = ZmqWeightPayload.to_bytes(msg["path"])
-    received = tmp_path / "rollout"
-    for v in (5, 6, 7):
-        out = ZmqWeightPayload.write_received(blob, received, v, keep_last=2)
-    assert out == received / "weights_v000007.safetensors"
-    assert sorted(p.name for p in received.iterdir()) == ["weights_v000006.safetensors", "weights_v000007.safetensors"]
-    fresh = _model(tok, seed=3)
-    fresh.load_state_dict(load_weights(out))
-    assert torch.equal(_logits(fresh), _logits(trained))
-    with pytest.raises(ValueError, match="weights blob"):
-        ZmqWeightPayload.write_received(b"not a safetensors file", received, 8)
-    assert not (received / "weights_v000008.safetensors").exists()
