@@ -91,22 +91,28 @@ def stop_all(procs: list[mp.Process], grace_s: float = 20.0) -> None:
             p.join(2)
 
 
-def start_server(cfg: Config, timeout_s: float = 600.0) -> tuple[mp.Process, str]:
-    """Start an embedded generation server child; return it and its URL once it serves."""
+def server_name(index: int) -> str:
+    """Process and log name of generation server `index` ("server", then "server1", "server2", ...)."""
+    return "server" if index == 0 else f"server{index}"
+
+
+def start_server(cfg: Config, index: int = 0, timeout_s: float = 600.0) -> tuple[mp.Process, str]:
+    """Start embedded generation server `index` as a child; return it and its URL once it serves."""
     from launch.serve import serve_main
 
-    ready = Path(cfg.run_dir) / "server_address"
+    name = server_name(index)
+    ready = Path(cfg.run_dir) / f"{name}_address"
     ready.unlink(missing_ok=True)
-    proc = spawn("server", serve_main, cfg, ready_file=str(ready))
+    proc = spawn(name, serve_main, cfg, ready_file=str(ready))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready.is_file() and ready.read_text().strip():
             return proc, ready.read_text().strip()
         if not proc.is_alive():
-            raise RuntimeError(child_error(cfg, "server", proc))
+            raise RuntimeError(child_error(cfg, name, proc))
         time.sleep(0.1)
     stop_all([proc])
-    raise RuntimeError(f"generation server did not start within {timeout_s:.0f}s")
+    raise RuntimeError(f"generation server {name} did not start within {timeout_s:.0f}s")
 
 
 def with_overrides(cfg: Config, **changes) -> Config:

@@ -1,11 +1,20 @@
-"""The rollout process: generation servers + rollout controller + greedy evaluation before and after."""
+"""The rollout process: generation servers + rollout controller + greedy evaluation before and after.
+
+It starts `rollout.num_servers` servers through `SERVER_LAUNCHERS[engine.backend]` (the
+engine's CPU threads split between them; one CUDA device each where several are visible),
+or uses `rollout.server_addrs`. Every server is checked to run the configured model, then
+they form one `ServerPool`: a server that dies later is taken out of rotation and its
+requests move to the others; the run fails only when none is left.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,11 +23,14 @@ from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import load_tokenizer
 from async_rl.rollout.controller import RolloutController
 from async_rl.rollout.evaluate import evaluate
+from async_rl.rollout.failover import PooledGenerationClient
+from async_rl.rollout.server_pool import ServerPool
 from async_rl.tasks import build_task
 from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.receivers import build_receiver
-from launch.procs import start_server, stop_all
+from launch.common import effective_threads
+from launch.procs import stop_all, with_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -30,44 +42,99 @@ def _record_eval(cfg: Config, when: str, version: int, stats: dict) -> None:
     logger.info("eval %s (v%d): accuracy %.3f on %d problems", when, version, stats["eval/accuracy"], stats["eval/n"])
 
 
-async def _run(cfg: Config, addrs: list[str]) -> None:
+def _clients(addrs: list[str], external: bool) -> list[HttpGenerationClient]:
+    try:
+        return [HttpGenerationClient(a) for a in addrs]
+    except ValueError as exc:
+        raise ValueError(f"rollout.server_addrs: {exc}" if external else str(exc)) from None
+
+
+async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: Any) -> ServerPool:
+    """The servers as a pool, once each answers and runs the configured model (one clear error otherwise)."""
+    pool = ServerPool(_clients(addrs, external), health_interval_s=cfg.rollout.health_interval_s)
+    try:
+        for s in pool.servers:
+            try:
+                await s.client.wait_ready(cfg.rollout.connect_timeout_s)
+            except ConnectionError as exc:
+                raise ConnectionError(f"rollout.server_addrs[{s.index}]: {exc}" if external else str(exc)) from None
+        await pool.check_model(model_name=cfg.model.name, min_vocab=len(tokenizer))
+    except BaseException:
+        await pool.close()
+        raise
+    return pool
+
+
+async def _run(cfg: Config, addrs: list[str], external: bool) -> None:
     tokenizer = load_tokenizer(cfg.model)
     task = build_task(cfg.task)
-    clients = [HttpGenerationClient(a) for a in addrs]
+    pool = await _ready_pool(cfg, addrs, external, tokenizer)
     queue = TrajectoryQueueClient(cfg.transport.addr, heartbeat_s=cfg.transport.heartbeat_s,
                                   peer_timeout_s=cfg.transport.peer_timeout_s)
+    weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=False)
+    pool.start()
     try:
-        await asyncio.gather(*(c.wait_ready(cfg.rollout.connect_timeout_s) for c in clients))
         await queue.connect(cfg.rollout.connect_timeout_s)
         eval_set = task.eval_samples()
         mc = cfg.rollout.max_concurrent
-        _record_eval(cfg, "before", 0, await evaluate(clients, tokenizer, task, eval_set,
+        evaluator = [PooledGenerationClient(pool, acquire_timeout_s=cfg.rollout.connect_timeout_s)]
+        _record_eval(cfg, "before", 0, await evaluate(evaluator, tokenizer, task, eval_set,
                                                       cfg.rollout.eval_max_new_tokens, mc))
         controller = RolloutController(cfg, pool, queue, queue.controls(), tokenizer, task, metrics,
                                        weights=weights)
         await controller.run(cfg.seed)
         if controller.final_version is not None:
             _record_eval(cfg, "after", controller.final_version,
-                         await evaluate(clients, tokenizer, task, eval_set, cfg.rollout.eval_max_new_tokens, mc))
+                         await evaluate(evaluator, tokenizer, task, eval_set, cfg.rollout.eval_max_new_tokens, mc))
     finally:
         metrics.close()
         await queue.close()
-        await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+        await pool.close()
+
+
+def server_config(cfg: Config, index: int, count: int) -> Config:
+    """The config of server `index` of `count`: its share of the engine threads, its own port and device."""
+    threads = max(1, effective_threads(cfg.engine.num_threads, cfg.mode) // count)
+    port = cfg.engine.port + index if cfg.engine.port else 0
+    device = cfg.engine.device
+    gpus = torch.cuda.device_count() if device in ("auto", "cuda") else 0
+    if count > 1 and gpus > 1:
+        device = f"cuda:{index % gpus}"
+    return with_overrides(cfg, engine={"num_threads": threads, "port": port, "device": device})
+
+
+def start_servers(cfg: Config) -> tuple[list[Any], list[str]]:
+    """Start `rollout.num_servers` servers of `engine.backend` at once; (processes, urls) once all serve."""
+    from launch.servers import SERVER_LAUNCHERS
+
+    n = cfg.rollout.num_servers
+    launch = SERVER_LAUNCHERS[cfg.engine.backend]
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(launch, server_config(cfg, i, n), i) for i in range(n)]
+        results, errors = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        stop_all([proc for proc, _ in results])
+        raise errors[0]
+    logger.info("started %d generation server(s): %s", n, ", ".join(url for _, url in results))
+    return [proc for proc, _ in results], [url for _, url in results]
 
 
 def rollout_main(cfg: Config) -> None:
     torch.set_num_threads(1)  # this process only does I/O; the servers do the math
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "eval.jsonl").unlink(missing_ok=True)
-    server = None
+    procs: list[Any] = []
     addrs = list(cfg.rollout.server_addrs)
-    if not addrs:
-        server, url = start_server(cfg)
-        addrs = [url]
+    external = bool(addrs)
+    if not external:
+        procs, addrs = start_servers(cfg)
     try:
-        asyncio.run(_run(cfg, addrs))
+        asyncio.run(_run(cfg, addrs, external))
     finally:
-        if server is not None:
-            stop_all([server])
-    weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
+        stop_all(procs)

@@ -19,7 +19,7 @@ ServerLauncher = Callable[[Config, int], tuple[Any, str]]
 
 
 def start_embedded(cfg: Config, index: int) -> tuple[Any, str]:
-    return start_server(cfg)
+    return start_server(cfg, index)
 
 
 SERVER_LAUNCHERS: dict[str, ServerLauncher] = {"embedded": start_embedded}

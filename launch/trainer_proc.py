@@ -29,22 +29,32 @@ class PeerLostError(RuntimeError):
 
 
 def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
-    """Block until a train batch is buffered; fail clearly if every producer went away."""
+    """Block until a train batch is buffered; fail clearly if the rollout side is lost.
+
+    The queue drops a producer silent for transport.peer_timeout_s (checked every heartbeat_s);
+    when that leaves none, the rollout side is reported lost at once, so a killed rollout side
+    is reported within peer_timeout_s + 2 * heartbeat_s. With no producer connected at all
+    (never started, or said goodbye), it is reported after peer_timeout_s."""
     silent_since: float | None = None
+    timeout = cfg.transport.peer_timeout_s
     while True:
         try:
             # acknowledged only once trained and published: a trainer crash mid-step loses nothing
             return queue.get_groups(cfg.trainer.batch_size, timeout=cfg.transport.heartbeat_s, ack=False)
         except QueueTimeout:
-            live = queue.stats().get("queue/producers", 0)
-            if live:
+            stats = queue.stats()
+            if stats.get("queue/producers", 0):
                 silent_since = None
                 continue
-            silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since > cfg.transport.peer_timeout_s:
+            if stats.get("queue/lost_producers", 0):
                 raise PeerLostError(
-                    f"no rollout producer connected to {queue.address} for {cfg.transport.peer_timeout_s:.0f}s "
-                    "(is `async-rl rollout` running and pointed at this address?)") from None
+                    f"lost the rollout side: no message from it at {queue.address} for more than {timeout:g}s "
+                    "(transport.peer_timeout_s); did `async-rl rollout` crash?") from None
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since > timeout:
+                raise PeerLostError(
+                    f"no rollout producer connected to {queue.address} for {timeout:.0f}s "
+                    "(transport.peer_timeout_s; is `async-rl rollout` running and pointed at this address?)") from None
 
 
 def _wait_producers_gone(queue: TrajectoryQueueServer, timeout: float) -> None:

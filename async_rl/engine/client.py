@@ -15,7 +15,9 @@ closes its connection, which makes the embedded server abort the request.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -127,6 +129,35 @@ class HttpGenerationClient:
         await self._http.aclose()
 
     # ------------------------------------------------------------------ extras
+    async def generate_stream(self, input_ids: list[int], sampling_params: SamplingParams,
+                              request_id: str | None = None) -> AsyncIterator[tuple[GenerationOutput, bool]]:
+        """`generate` over SSE (`stream: true`): yields (output so far, finished) after every chunk, so the
+        tokens sampled so far are known even if the server dies mid-request (then ServerUnreachableError).
+        Chunks carry the whole output so far (SGLang's default streaming shape); an unfinished one is
+        reported with finish_reason "abort" until the last chunk says how it ended."""
+        rid = request_id or new_id()
+        payload = {"input_ids": [int(t) for t in input_ids], "rid": rid, "return_logprob": True, "stream": True,
+                   "sampling_params": sampling_params.to_wire()}
+        try:
+            async with self._http.stream("POST", "/generate", json=payload) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    self._check("/generate", resp)
+                async for line in resp.aiter_lines():
+                    data = line[len("data:"):].strip() if line.startswith("data:") else ""
+                    if not data or data == "[DONE]":
+                        continue
+                    body = json.loads(data)
+                    finished = body["meta_info"].get("finish_reason") is not None
+                    if not finished:
+                        body["meta_info"]["finish_reason"] = "abort"
+                    yield output_from_response(rid, body), finished
+        except httpx.TimeoutException:
+            raise TimeoutError(f"generation server {self.address}/generate: no chunk within {self.timeout_s:g}s") from None
+        except httpx.TransportError as exc:
+            raise ServerUnreachableError(f"generation server {self.address} lost mid-stream "
+                                         f"({type(exc).__name__}: {exc})") from None
+
     async def metrics(self) -> dict[str, float]:
         """The server's engine/* metrics (embedded engine only)."""
         return await self._request("GET", "/metrics", timeout_s=30.0)

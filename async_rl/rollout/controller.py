@@ -1,10 +1,12 @@
 """The rollout controller: dataset -> agent loops -> trajectory queue, under the staleness gate.
 
-It owns the generation servers of its side. For each prompt it admits one group of `n`
-trajectories through the staleness gate, runs `n` agent loops concurrently on the
-least-loaded server, and pushes the finished group to the trainer. Control messages
-from the trainer drive weight updates (pause every server, load, continue, then open
-the gate one version further) and the end of the run.
+It drives the generation servers of its side through a `ServerPool`. For each prompt it
+admits one group of `n` trajectories through the staleness gate, runs `n` agent loops
+concurrently, each on a `PooledGenerationClient` (least-loaded server; a request whose
+server is lost moves to another one), and pushes the finished group to the trainer.
+Control messages from the trainer drive weight updates (every server paused, loaded and
+continued under `weight_sync.deadline_s`, a late one fenced; then the gate opens one
+version further) and the end of the run.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from typing import Any
 from async_rl.agent import build_agent_loop
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
+from async_rl.rollout.failover import PooledGenerationClient
+from async_rl.rollout.server_pool import ServerPool
 from async_rl.rollout.staleness import StalenessGate
+from async_rl.rollout.weight_update import update_servers
 from async_rl.types import Sample, SamplingParams, new_id
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.seeding import derive_seed
@@ -28,33 +33,14 @@ from async_rl.weight_sync.receivers import DiskWeightReceiver
 logger = logging.getLogger(__name__)
 
 
-class ServerPool:
-    """Picks the generation server with the fewest requests in flight."""
-
-    def __init__(self, clients: list[GenerationClient]):
-        if not clients:
-            raise ValueError("rollout.server_addrs: at least one generation server is needed")
-        self.clients = clients
-        self.in_flight = [0] * len(clients)
-
-    def acquire(self) -> int:
-        i = min(range(len(self.clients)), key=self.in_flight.__getitem__)
-        self.in_flight[i] += 1
-        return i
-
-    def release(self, i: int) -> None:
-        self.in_flight[i] -= 1
-
-    async def for_all(self, method: str, *args: Any) -> list[Any]:
-        return await asyncio.gather(*(getattr(c, method)(*args) for c in self.clients))
-
-
 class RolloutController:
-    def __init__(self, cfg: Config, clients: list[GenerationClient], sink: TrajectorySink,
+    def __init__(self, cfg: Config, clients: list[GenerationClient] | ServerPool, sink: TrajectorySink,
                  controls: AsyncIterator[dict[str, Any]], tokenizer: Any, task: Any,
                  metrics: MetricsLogger | None = None, weights: WeightReceiver | None = None):
         self.cfg = cfg
-        self.pool = ServerPool(clients)
+        self._own_pool = not isinstance(clients, ServerPool)  # a pool handed in is started and closed by its owner
+        self.pool = ServerPool(clients, health_interval_s=cfg.rollout.health_interval_s) \
+            if self._own_pool else clients
         self.sink = sink
         self.controls = controls
         self.tokenizer = tokenizer
@@ -83,13 +69,11 @@ class RolloutController:
         # run is reproducible and eta=0 async samples exactly what sync does
         params = dataclasses.replace(self.params, seed=derive_seed(self._seed, sample.id, index))
         async with self.slots:
-            i = self.pool.acquire()
-            try:
-                agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, self.pool.clients[i],
-                                         self.tokenizer, self.task.reward)
-                return await agent.run(sample, params, group_id=group_id)
-            finally:
-                self.pool.release(i)
+            client = PooledGenerationClient(self.pool, sticky=True,
+                                            acquire_timeout_s=self.cfg.rollout.connect_timeout_s)
+            agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, client, self.tokenizer,
+                                     self.task.reward)
+            return await agent.run(sample, params, group_id=group_id)
 
     async def _group(self, sample: Sample) -> None:
         group_id = new_id()
@@ -124,21 +108,12 @@ class RolloutController:
             self._spawn(self._group(next(samples)))
 
     async def apply_weights(self, msg: dict[str, Any]) -> None:
-        t0 = time.perf_counter()
         version = int(msg["version"])
-        prepared = await self.weights.prepare(msg)
-        try:
-            await self.pool.for_all("pause_generation")
-            try:
-                await asyncio.gather(*(self.weights.load(c, prepared, version) for c in self.pool.clients))
-            finally:
-                await self.pool.for_all("continue_generation")
-        finally:
-            await self.weights.release(prepared)
+        stats = await update_servers(self.pool, self.weights, msg, self.cfg.weight_sync.deadline_s)
         self.gate.set_version(version)
-        stats = {"sync/update_s": time.perf_counter() - t0, "rollout/groups_pushed": self.groups_pushed,
-                 "rollout/trajectories_pushed": self.trajectories_pushed, "rollout/interrupted": self.interrupted,
-                 "rollout/in_flight": sum(self.pool.in_flight), **self.gate.stats()}
+        stats.update({"rollout/groups_pushed": self.groups_pushed, "rollout/trajectories_pushed": self.trajectories_pushed,
+                      "rollout/interrupted": self.interrupted, "rollout/in_flight": sum(self.pool.in_flight),
+                      **self.gate.stats(), **self.pool.stats()})
         stats.update(await self._engine_metrics())
         logger.info("loaded weights v%d in %.2fs", version, stats["sync/update_s"])
         if self.metrics is not None:
@@ -147,7 +122,8 @@ class RolloutController:
     async def _engine_metrics(self) -> dict[str, float]:
         """engine/* metrics summed over the servers that report them (the embedded engine does)."""
         total: dict[str, float] = {}
-        for client in self.pool.clients:
+        live = [s.client for s in self.pool.servers if s.in_rotation]
+        for client in live:
             fetch = getattr(client, "metrics", None)
             if fetch is None:
                 continue
@@ -157,8 +133,8 @@ class RolloutController:
                         total[key] = total.get(key, 0.0) + float(value)
             except Exception as exc:  # metrics are best effort; never stop the run for them
                 logger.debug("no metrics from %s: %s", client.address, exc)
-        if len(self.pool.clients) > 1 and "engine/prefix_hit_rate" in total:
-            total["engine/prefix_hit_rate"] /= len(self.pool.clients)
+        if len(live) > 1 and "engine/prefix_hit_rate" in total:
+            total["engine/prefix_hit_rate"] /= len(live)
         return total
 
     async def _control_loop(self) -> None:
@@ -179,6 +155,8 @@ class RolloutController:
         """Produce groups until the trainer says stop (or the control channel closes)."""
         self._seed = seed
         samples = self.task.train_samples(seed)
+        if self._own_pool:
+            self.pool.start()
         admit = asyncio.create_task(self._admit_loop(samples))
         control = asyncio.create_task(self._control_loop())
         for task in (admit, control):
@@ -192,5 +170,7 @@ class RolloutController:
         await asyncio.gather(admit, control, *pending, return_exceptions=True)
         if pending:
             logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
+        if self._own_pool:
+            await self.pool.close(close_clients=False)
         if self._error is not None:
             raise self._error

@@ -1,0 +1,188 @@
+"""A `GenerationClient` over a `ServerPool` whose requests survive the loss of their server.
+
+    client = PooledGenerationClient(pool, sticky=True)   # what an agent loop talks to
+    out = await client.generate(prompt_ids, SamplingParams(max_new_tokens=64))
+
+Each request runs on the least-loaded server in rotation, streamed, so the tokens sampled
+so far are always known here. When its server leaves rotation (killed, unhealthy, fenced
+for missing a weight update's deadline) or the server aborts the request without being
+asked to, the request is re-issued to another server from where it stopped: the prompt
+plus the tokens so far, with `max_new_tokens` reduced by their number. The outputs are
+concatenated, so every token keeps the log-prob and policy version it was sampled with;
+the continuation carries the versions of the server that finished it. `num_interruptions`
+adds up over the pieces.
+
+`sticky=True` keeps one agent loop's turns on one server while it stays in rotation (its
+prefix cache stays useful); with `sticky=False` every request goes to the least-loaded server.
+
+Limits: a stop string that straddles the place where a request moved is not seen; a
+request that loses its server after its last token but before the server's final chunk
+ends with finish_reason "length" (the stop token, if it was one, is in the output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from async_rl.engine.client import ServerUnreachableError
+from async_rl.rollout.server_pool import Server, ServerPool
+from async_rl.types import GenerationOutput, SamplingParams, new_id
+from async_rl.utils.seeding import derive_seed
+
+logger = logging.getLogger(__name__)
+
+_LOST = (ServerUnreachableError, TimeoutError, ConnectionError, RuntimeError)  # 5xx answers are RuntimeError
+
+
+class _Piece:
+    """What one server produced for one request (updated as chunks arrive)."""
+
+    def __init__(self) -> None:
+        self.out: GenerationOutput | None = None
+        self.finished = False
+
+
+class PooledGenerationClient:
+    """`GenerationClient` that places each request on the pool and moves it when its server is lost."""
+
+    def __init__(self, pool: ServerPool, *, sticky: bool = False, acquire_timeout_s: float = 60.0,
+                 max_moves: int = 8):
+        self.pool = pool
+        self.sticky = sticky
+        self.acquire_timeout_s = acquire_timeout_s
+        self.max_moves = max_moves
+        self.address = "pool(" + ",".join(s.address for s in pool.servers) + ")"
+        self._last: Server | None = None
+        self._running: dict[str, tuple[Server, str, int, _Piece]] = {}  # rid -> (server, piece id, carried, piece)
+        self._aborted: set[str] = set()
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> GenerationOutput:
+        rid = request_id or new_id()
+        prompt = [int(t) for t in input_ids]
+        pieces: list[GenerationOutput] = []
+        try:
+            for move in range(self.max_moves + 1):
+                done = sum(len(p.output_ids) for p in pieces)
+                if done >= sampling_params.max_new_tokens:
+                    return _joined(rid, len(prompt), pieces, "length")
+                params = sampling_params if not move else _resumed(sampling_params, done)
+                server = await self.pool.acquire(self._last if self.sticky else None, self.acquire_timeout_s)
+                self._last = server
+                piece_id = rid if not move else f"{rid}-m{move}"
+                piece = _Piece()
+                self._running[rid] = (server, piece_id, done, piece)
+                try:
+                    why = await self._run_on(server, prompt + _ids(pieces), params, rid, piece_id, piece)
+                finally:
+                    self.pool.release(server)
+                if piece.out is not None:
+                    pieces.append(piece.out)
+                if why is None:
+                    return _joined(rid, len(prompt), pieces, piece.out.finish_reason)
+                carried = sum(len(p.output_ids) for p in pieces)
+                self.pool.counts["pool/reissued"] += 1
+                self.pool.counts["pool/reissued_tokens"] += carried
+                logger.info("request %s moves from %s after %d tokens: %s", rid, server.address, carried, why)
+            logger.warning("request %s lost its server %d times; ending it as aborted", rid, self.max_moves + 1)
+            return _joined(rid, len(prompt), pieces, "abort")
+        finally:
+            self._running.pop(rid, None)
+            self._aborted.discard(rid)
+
+    async def _run_on(self, server: Server, ids: list[int], params: SamplingParams, rid: str, piece_id: str,
+                      piece: _Piece) -> str | None:
+        """Run one piece on `server`; returns why the request must move (None when it ended for good)."""
+        work = asyncio.ensure_future(self._consume(server, ids, params, piece_id, piece))
+        gone = asyncio.ensure_future(server.gone.wait())
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if not work.cancelled() and work.exception() is None and piece.finished:
+            if piece.out.finish_reason == "abort" and rid not in self._aborted:
+                return f"the server aborted it ({server.address})"
+            return None
+        if work.cancelled() or not work.done():
+            return server.reason or "its server left rotation"
+        exc = work.exception()
+        if exc is None:  # the stream ended without its final chunk
+            exc = ServerUnreachableError(f"generation server {server.address} ended the stream early")
+        if isinstance(exc, _LOST):
+            self.pool.mark_unhealthy(server, f"request failed: {exc}")
+            return str(exc)
+        raise exc  # bad input (ValueError naming the field) and bugs are not a reason to move
+
+    async def _consume(self, server: Server, ids: list[int], params: SamplingParams, piece_id: str,
+                       piece: _Piece) -> None:
+        stream = getattr(server.client, "generate_stream", None)
+        if stream is None:  # a client without streaming: only a finished (or aborted) answer tells the tokens
+            piece.out, piece.finished = await server.client.generate(ids, params, piece_id), True
+            return
+        async for out, finished in stream(ids, params, piece_id):
+            piece.out, piece.finished = out, finished
+
+    def running(self) -> dict[str, tuple[Server, int]]:
+        """Requests in flight: request id -> (the server it runs on, tokens it has so far)."""
+        return {rid: (srv, carried + (len(p.out.output_ids) if p.out is not None else 0))
+                for rid, (srv, _, carried, p) in self._running.items()}
+
+    # ------------------------------------------------------------------ the rest of GenerationClient
+    async def abort_request(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+        where = self._running.get(request_id)
+        if where is not None:
+            await where[0].client.abort_request(where[1])
+
+    async def pause_generation(self) -> None:
+        await asyncio.gather(*(s.client.pause_generation() for s in self.pool.servers if s.in_rotation))
+
+    async def continue_generation(self) -> None:
+        await asyncio.gather(*(s.client.continue_generation() for s in self.pool.servers if s.in_rotation))
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict[str, Any]:
+        results = await asyncio.gather(*(s.client.update_weights_from_disk(model_path, weight_version)
+                                         for s in self.pool.servers if s.in_rotation))
+        return {"success": True, "servers": len(results)}
+
+    async def health(self) -> bool:
+        return any(s.in_rotation for s in self.pool.servers)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        server = await self.pool.acquire(timeout_s=self.acquire_timeout_s)
+        try:
+            return await server.client.get_model_info()
+        finally:
+            self.pool.release(server)
+
+    async def close(self) -> None:
+        """The pool owns the servers' clients; nothing to close here."""
+
+
+def _ids(pieces: list[GenerationOutput]) -> list[int]:
+    return [t for p in pieces for t in p.output_ids]
+
+
+def _resumed(params: SamplingParams, done: int) -> SamplingParams:
+    # a fresh seed per resume point: re-using the request's seed would replay the draws of its first tokens
+    seed = None if params.seed is None else derive_seed(params.seed, "resume", done)
+    return dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done, seed=seed)
+
+
+def _joined(rid: str, prompt_len: int, pieces: list[GenerationOutput], finish_reason: str) -> GenerationOutput:
+    """One output from the pieces of a request that moved: tokens, log-probs and versions in order."""
+    tops = [p.output_top_logprobs for p in pieces]
+    return GenerationOutput(
+        request_id=rid, prompt_len=prompt_len, output_ids=_ids(pieces),
+        output_logprobs=[x for p in pieces for x in p.output_logprobs],
+        output_versions=[v for p in pieces for v in p.output_versions], finish_reason=finish_reason,
+        num_interruptions=sum(p.num_interruptions for p in pieces),
+        output_top_logprobs=None if not pieces or any(t is None for t in tops) else [e for t in tops for e in t],
+        prefix_cached_tokens=pieces[0].prefix_cached_tokens if pieces else 0)

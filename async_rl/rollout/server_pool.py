@@ -1,0 +1,264 @@
+"""The rollout side's generation servers: least-loaded placement, health checks, rotation and fencing.
+
+    pool = ServerPool(clients, health_interval_s=5.0)
+    await pool.check_model(model_name="tiny", min_vocab=len(tokenizer))  # wrong server -> one clear error
+    pool.start()                                   # periodic health checks
+    server = await pool.acquire(timeout_s=60)      # the least-loaded server in rotation
+    ...; pool.release(server)
+    pool.fence(server, "missed the deadline of weight update v3")
+    pool.rejoin(server, version=3)                 # back once it has loaded the current version
+    pool.stats()                                   # pool/* metrics, per server too
+    await pool.close()
+
+A server is *in rotation* while it is healthy and not fenced. It leaves rotation when a
+health check fails, when a request to it fails for want of a connection, or when it is
+fenced (it missed a weight update's deadline, or the update failed on it). Leaving sets
+the server's `gone` event: generations running on it (see `failover.py`) stop waiting for
+it and continue on another server. An unhealthy server that answers again rejoins by
+itself if it still holds the current weights; a fenced one rejoins only once it has loaded
+the current version (at the next weight update, or when a late load turns out to have
+finished: the health check asks it for its `weight_version`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_rl.protocols import GenerationClient
+
+logger = logging.getLogger(__name__)
+
+
+class NoServerError(RuntimeError):
+    """No generation server has been in rotation for too long."""
+
+
+@dataclass(eq=False)
+class Server:
+    """One generation server as the pool sees it."""
+
+    index: int
+    client: GenerationClient
+    in_flight: int = 0  # requests running on it now
+    requests: int = 0  # requests placed on it so far
+    failures: int = 0  # times it left rotation
+    healthy: bool = True
+    fenced: bool = False
+    reason: str = ""  # why it is out of rotation
+    version: int = 0  # weight version it holds (as far as this side knows)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set while out of rotation
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.healthy and not self.fenced
+
+    def describe(self) -> str:
+        return f"{self.address}: {'in rotation' if self.in_rotation else self.reason}"
+
+
+class ServerPool:
+    """Generation servers of one rollout side, balanced by requests in flight."""
+
+    def __init__(self, clients: list[GenerationClient], *, health_interval_s: float = 5.0,
+                 health_timeout_s: float = 5.0):
+        if not clients:
+            raise ValueError("rollout.server_addrs: at least one generation server is needed")
+        self.servers = [Server(i, c) for i, c in enumerate(clients)]
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.version = 0  # the newest weight version loaded anywhere
+        self.counts = {"pool/reissued": 0, "pool/reissued_tokens": 0, "pool/fenced_total": 0,
+                       "pool/unhealthy_total": 0, "pool/rejoined_total": 0}
+        self._changed: asyncio.Condition | None = None
+        self._health: asyncio.Task | None = None
+
+    @property
+    def clients(self) -> list[GenerationClient]:
+        return [s.client for s in self.servers]
+
+    @property
+    def in_flight(self) -> list[int]:
+        return [s.in_flight for s in self.servers]
+
+    def _cond(self) -> asyncio.Condition:
+        if self._changed is None:  # made lazily, inside the event loop that uses it
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _notify(self) -> None:
+        async with self._cond():
+            self._cond().notify_all()
+
+    # ------------------------------------------------------------------ placement
+    def _pick(self, prefer: Server | None) -> Server | None:
+        if prefer is not None and prefer.in_rotation:
+            return prefer
+        live = [s for s in self.servers if s.in_rotation]
+        return min(live, key=lambda s: (s.in_flight, s.requests, s.index)) if live else None
+
+    async def acquire(self, prefer: Server | None = None, timeout_s: float = 60.0) -> Server:
+        """The preferred server if in rotation, else the least-loaded one; waits up to `timeout_s` for one."""
+        deadline = time.monotonic() + timeout_s
+        async with self._cond():
+            while (server := self._pick(prefer)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoServerError(
+                        f"no generation server in rotation for {timeout_s:g}s (rollout.connect_timeout_s): "
+                        + "; ".join(s.describe() for s in self.servers))
+                try:
+                    await asyncio.wait_for(self._cond().wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+        server.in_flight += 1
+        server.requests += 1
+        return server
+
+    def release(self, server: Server) -> None:
+        server.in_flight -= 1
+
+    # ------------------------------------------------------------------ rotation
+    def _leave(self, server: Server, reason: str) -> None:
+        if server.in_rotation:
+            server.failures += 1
+        server.reason = reason
+        server.gone.set()
+
+    def mark_unhealthy(self, server: Server, reason: str) -> None:
+        if server.healthy:
+            logger.warning("generation server %s out of rotation: %s", server.address, reason)
+            self.counts["pool/unhealthy_total"] += 1
+        self._leave(server, reason)
+        server.healthy = False
+
+    def fence(self, server: Server, reason: str) -> None:
+        if not server.fenced:
+            logger.warning("generation server %s fenced: %s", server.address, reason)
+            self.counts["pool/fenced_total"] += 1
+        self._leave(server, reason)
+        server.fenced = True
+
+    async def _enter(self, server: Server) -> None:
+        if server.in_rotation:
+            server.reason = ""
+            server.gone.clear()
+            await self._notify()
+
+    async def rejoin(self, server: Server, version: int) -> None:
+        """`server` holds weight version `version` now: unfence it if that is the current one."""
+        server.version = version
+        if server.fenced and version >= self.version:
+            server.fenced = False
+            self.counts["pool/rejoined_total"] += 1
+            logger.info("generation server %s rejoins at weight version %d", server.address, version)
+        await self._enter(server)
+
+    async def mark_healthy(self, server: Server) -> None:
+        if not server.healthy:
+            logger.info("generation server %s answers again", server.address)
+            server.healthy = True
+            if server.version < self.version:
+                self.fence(server, f"holds weight version {server.version}, behind the current {self.version}")
+        await self._enter(server)
+
+    # ------------------------------------------------------------------ health
+    async def _check_one(self, server: Server) -> None:
+        try:
+            ok = await asyncio.wait_for(server.client.health(), self.health_timeout_s)
+        except (asyncio.TimeoutError, OSError) as exc:
+            ok, why = False, f"no health answer ({type(exc).__name__})"
+        else:
+            why = "health check failed"
+        if not ok:
+            self.mark_unhealthy(server, why)
+            return
+        await self.mark_healthy(server)
+        if server.fenced:
+            await self._catch_up(server)
+
+    async def _catch_up(self, server: Server) -> None:
+        """A fenced server whose late weight load finished after all rejoins without waiting for the next one."""
+        try:
+            info = await asyncio.wait_for(server.client.get_model_info(), self.health_timeout_s)
+        except Exception as exc:  # best effort: it stays fenced until the next update
+            logger.debug("no model info from fenced server %s: %s", server.address, exc)
+            return
+        held = info.get("weight_version")
+        if held is not None and str(held) == str(self.version):
+            try:
+                await asyncio.wait_for(server.client.continue_generation(), self.health_timeout_s)
+            except Exception as exc:
+                logger.debug("fenced server %s did not continue: %s", server.address, exc)
+                return
+            await self.rejoin(server, self.version)
+
+    async def check_health(self) -> None:
+        """One round of health checks over every server, concurrently."""
+        await asyncio.gather(*(self._check_one(s) for s in self.servers))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # a bug here must not end health checking for the rest of the run
+                logger.exception("health check round failed")
+
+    def start(self) -> "ServerPool":
+        if self._health is None:
+            self._health = asyncio.create_task(self._health_loop(), name="server-health")
+        return self
+
+    async def close(self, close_clients: bool = True) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+            self._health = None
+        if close_clients:
+            await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    # ------------------------------------------------------------------ start-up checks
+    async def check_model(self, *, model_name: str, min_vocab: int, key: str = "rollout.server_addrs") -> None:
+        """Fail with one line naming the server if one runs another model than `model_name`."""
+        seen: dict[str, Any] = {}
+        for s in self.servers:
+            info = await s.client.get_model_info()
+            name = str(info.get("model_name") or info.get("model_path") or "")
+            where = f"{key}[{s.index}] ({s.address})"
+            if name and not _same_model(name, model_name):
+                raise ValueError(f"{where}: serves model {name!r}, but model.name is {model_name!r}; "
+                                 "point it at a server running the configured model")
+            vocab = info.get("vocab_size")
+            if vocab is not None and int(vocab) < min_vocab:
+                raise ValueError(f"{where}: its model has a {vocab}-token vocabulary, smaller than the "
+                                 f"{min_vocab} tokens of model.name={model_name!r}'s tokenizer: it runs another model")
+            if vocab is not None:
+                first = seen.setdefault("vocab", (int(vocab), s))
+                if first[0] != int(vocab):
+                    raise ValueError(f"{where}: its model has a {vocab}-token vocabulary but {first[1].address} "
+                                     f"has {first[0]}: the servers run different models")
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "pool/servers": len(self.servers), "pool/in_rotation": sum(s.in_rotation for s in self.servers),
+            "pool/fenced": sum(s.fenced for s in self.servers), "pool/unhealthy": sum(not s.healthy for s in self.servers),
+            "pool/in_flight": sum(s.in_flight for s in self.servers), **self.counts}
+        for s in self.servers:
+            p = f"pool/server{s.index}"
+            out.update({f"{p}/requests": s.requests, f"{p}/in_flight": s.in_flight, f"{p}/healthy": int(s.healthy),
+                        f"{p}/fenced": int(s.fenced), f"{p}/version": s.version, f"{p}/failures": s.failures})
+        return out
+
+
+def _same_model(served: str, configured: str) -> bool:
+    """Same name, or the same checkpoint directory given by a different path."""
+    return served == configured or served.rstrip("/").rsplit("/", 1)[-1] == configured.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,75 @@
+"""One weight update across the pool, each server under its own deadline (`weight_sync.deadline_s`).
+
+    stats = await update_servers(pool, receiver, msg, deadline_s=120.0)
+
+The receiver prepares the version once; then every healthy server, concurrently, is
+paused, loaded and continued, all within `deadline_s`. A server that misses the deadline
+or fails is fenced (out of rotation; the generations on it move to other servers, see
+`failover.py`) while the others continue at once. A fenced server rejoins when it has
+loaded the current version (the next update includes it again). If no server loads the
+version, the run cannot go on: `WeightUpdateError` says why for each server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from async_rl.protocols import WeightReceiver
+from async_rl.rollout.server_pool import Server, ServerPool
+
+logger = logging.getLogger(__name__)
+
+
+class WeightUpdateError(RuntimeError):
+    """No generation server loaded a weight version."""
+
+
+async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server, prepared: Any, version: int,
+                      deadline_s: float) -> float | None:
+    """Pause, load, continue one server; its seconds, or None when it was fenced."""
+    t0 = time.perf_counter()
+
+    async def sequence() -> None:
+        await server.client.pause_generation()
+        await receiver.load(server.client, prepared, version)
+        await server.client.continue_generation()
+
+    try:
+        await asyncio.wait_for(sequence(), deadline_s)
+    except asyncio.TimeoutError:
+        pool.fence(server, f"missed the {deadline_s:g}s deadline of weight update v{version} "
+                           "(weight_sync.deadline_s)")
+        return None
+    except Exception as exc:  # unreachable, refused the weights, died mid-load: all mean out of rotation
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        pool.fence(server, f"weight update v{version} failed: {first}")
+        return None
+    await pool.rejoin(server, version)
+    return time.perf_counter() - t0
+
+
+async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[str, Any],
+                         deadline_s: float) -> dict[str, float]:
+    """Load the version in `msg` into every healthy server of `pool`; returns sync/* metrics."""
+    version = int(msg["version"])
+    t0 = time.perf_counter()
+    prepared = await receiver.prepare(msg)
+    try:
+        pool.version = max(pool.version, version)
+        for s in pool.servers:
+            if not s.healthy:
+                pool.fence(s, f"unreachable during weight update v{version} ({s.reason})")
+        targets = [s for s in pool.servers if s.healthy]
+        took = await asyncio.gather(*(_update_one(pool, receiver, s, prepared, version, deadline_s)
+                                      for s in targets))
+    finally:
+        await receiver.release(prepared)
+    loaded = [t for t in took if t is not None]
+    if not loaded:
+        raise WeightUpdateError(f"weight update v{version}: no generation server loaded it: "
+                                + "; ".join(s.describe() for s in pool.servers))
+    return {"sync/update_s": time.perf_counter() - t0, "sync/server_update_s_max": max(loaded),
+            "sync/servers_loaded": len(loaded), "sync/servers_fenced": len(pool.servers) - len(loaded)}

@@ -1,0 +1,206 @@
+"""The server pool over two real generation-server processes: load sharing, fencing, failover, health.
+
+Both servers run the same tiny model (same seed), so greedy decoding is a function of the
+prompt alone: a request that moves from one server to another mid-way must end with
+exactly the tokens an uninterrupted request produces, whatever the moment it moved. One
+server is frozen (SIGSTOP) during a weight update to miss the deadline, and later killed
+(SIGKILL) mid-generation; the requests on it finish on the other with their tokens,
+log-probs and versions.
+"""
+
+import asyncio
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from async_rl.config import load_config
+from async_rl.engine.client import HttpGenerationClient
+from async_rl.models import load_model, load_tokenizer
+from async_rl.rollout.failover import PooledGenerationClient
+from async_rl.rollout.server_pool import NoServerError, ServerPool
+from async_rl.rollout.weight_update import WeightUpdateError, update_servers
+from async_rl.types import SamplingParams
+from async_rl.weight_sync.receivers import DiskWeightReceiver
+from launch.common import free_port
+from launch.procs import start_server, stop_all
+from launch.serve import BackgroundServer
+from tests.e2e.test_run import DEBUG
+
+PROMPTS = ["1+2=", "0+0=", "2+2=", "1+1=", "2+0=", "0+1=", "4+3=", "3+1="]
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pool")
+    cfg = load_config(DEBUG, [f"run_dir={tmp}", "model.dtype=float32", "engine.num_threads=1", "log.level=WARNING"])
+    tok = load_tokenizer(cfg.model)
+    weights = tmp / "same_weights.safetensors"  # the servers' own weights, to load as "new" versions
+    model = load_model(cfg.model, seed=cfg.seed, tokenizer=tok)
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
+    started = [start_server(cfg, i) for i in range(2)]
+    yield SimpleNamespace(cfg=cfg, tok=tok, weights=str(weights), procs=[p for p, _ in started],
+                          urls=[u for _, u in started])
+    for p in started:
+        if p[0].is_alive():
+            os.kill(p[0].pid, signal.SIGCONT)
+    stop_all([p for p, _ in started])
+
+
+def prompt_ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def with_pool(s, body, health_interval_s=60.0):
+    async def main():
+        pool = ServerPool([HttpGenerationClient(u) for u in s.urls], health_interval_s=health_interval_s)
+        try:
+            return await body(pool)
+        finally:
+            await pool.close()
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def reference(servers):
+    """Uninterrupted greedy outputs, one per prompt."""
+    async def body(pool):
+        client = PooledGenerationClient(pool)
+        return await asyncio.gather(*(client.generate(prompt_ids(servers.tok, p), GREEDY) for p in PROMPTS))
+    return with_pool(servers, body)
+
+
+def assert_same_as_reference(outs, reference):
+    for out, ref in zip(outs, reference):
+        assert out.output_ids == ref.output_ids
+        assert out.finish_reason == "length" and len(out.output_logprobs) == len(out.output_ids)
+        assert torch.allclose(torch.tensor(out.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-4)
+
+
+async def wait_progress(client, pool, server, tokens, timeout_s=30.0):
+    """Until some request on `server` has received `tokens` tokens (checked at every loop turn)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(srv is server and n >= tokens for srv, n in client.running().values()):
+        assert time.monotonic() < deadline, "no request made progress on the server"
+        await asyncio.sleep(0)
+
+
+def test_two_servers_share_the_load(servers, reference):
+    async def body(pool):
+        client = PooledGenerationClient(pool)
+        outs = await asyncio.gather(*(client.generate(prompt_ids(servers.tok, p), GREEDY) for p in PROMPTS * 2))
+        return outs, pool.stats()
+
+    outs, stats = with_pool(servers, body)
+    assert stats["pool/server0/requests"] == stats["pool/server1/requests"] == len(PROMPTS)
+    assert stats["pool/in_flight"] == 0 and stats["pool/in_rotation"] == 2 and stats["pool/reissued"] == 0
+    assert_same_as_reference(outs, reference * 2)
+    assert all(v == 0 for o in outs for v in o.output_versions)
+
+
+def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, reference):
+    frozen = servers.procs[1]
+
+    async def body(pool):
+        client = PooledGenerationClient(pool)
+        b = pool.servers[1]
+        tasks = [asyncio.ensure_future(client.generate(prompt_ids(servers.tok, p), GREEDY)) for p in PROMPTS]
+        await wait_progress(client, pool, b, 3)
+        os.kill(frozen.pid, signal.SIGSTOP)  # tokens so far on b are whatever its stream delivered
+        t0 = time.monotonic()
+        stats = await update_servers(pool, DiskWeightReceiver(), {"version": 1, "path": servers.weights}, 2.0)
+        took = time.monotonic() - t0
+        outs = await asyncio.gather(*tasks)
+        after_fence = pool.stats()
+        os.kill(frozen.pid, signal.SIGCONT)
+        await pool.check_health()  # answers again, but still holds version 0: stays fenced
+        still = pool.stats()
+        stats2 = await update_servers(pool, DiskWeightReceiver(), {"version": 2, "path": servers.weights}, 10.0)
+        again = await asyncio.gather(*(client.generate(prompt_ids(servers.tok, p), GREEDY) for p in PROMPTS))
+        return stats, took, outs, after_fence, still, stats2, again, pool.stats()
+
+    stats, took, outs, fenced, still, stats2, again, final = with_pool(servers, body)
+    assert stats["sync/servers_fenced"] == 1 and stats["sync/servers_loaded"] == 1
+    assert 2.0 <= took < 6.0  # the late server costs the deadline, not a hang
+    assert fenced["pool/server1/fenced"] == 1 and fenced["pool/in_rotation"] == 1
+    assert fenced["pool/reissued"] >= 1 and fenced["pool/reissued_tokens"] >= 3
+    assert_same_as_reference(outs, reference)  # moved requests continue exactly where they stopped
+    for o in outs:  # versions kept: old tokens 0, then 1 after the update, never backwards
+        assert set(o.output_versions) <= {0, 1} and o.output_versions == sorted(o.output_versions)
+    assert all(o.output_versions[0] == 0 for o in outs)  # a moved request kept its first tokens
+    assert any(o.output_versions[-1] == 1 for o in outs)
+    assert still["pool/server1/healthy"] == 1 and still["pool/server1/fenced"] == 1
+    # the next update loads the fenced server too: it rejoins and takes requests again
+    assert stats2["sync/servers_loaded"] == 2 and final["pool/server1/fenced"] == 0
+    assert final["pool/server1/version"] == 2 and final["pool/in_rotation"] == 2
+    assert final["pool/server1/requests"] > fenced["pool/server1/requests"]
+    assert_same_as_reference(again, reference)
+    assert all(set(o.output_versions) == {2} for o in again)
+
+
+def test_killed_server_leaves_rotation_and_its_requests_finish_elsewhere(servers, reference):
+    victim = servers.procs[1]
+
+    async def body(pool):
+        client = PooledGenerationClient(pool)
+        tasks = [asyncio.ensure_future(client.generate(prompt_ids(servers.tok, p), GREEDY)) for p in PROMPTS]
+        await wait_progress(client, pool, pool.servers[1], 3)
+        os.kill(victim.pid, signal.SIGKILL)
+        outs = await asyncio.gather(*tasks)
+        gone = pool.stats()
+        await pool.check_health()
+        stats = await update_servers(pool, DiskWeightReceiver(), {"version": 3, "path": servers.weights}, 10.0)
+        return outs, gone, stats, pool.stats()
+
+    outs, gone, stats, final = with_pool(servers, body)
+    assert_same_as_reference(outs, reference)
+    assert gone["pool/server1/healthy"] == 0 and gone["pool/reissued"] >= 1 and gone["pool/reissued_tokens"] >= 3
+    assert stats["sync/servers_loaded"] == 1 and final["pool/server1/fenced"] == 1
+    assert final["pool/server0/version"] == 3 and final["pool/in_rotation"] == 1
+
+
+def test_no_server_left_is_a_clear_error_not_a_hang(servers):
+    dead = servers.urls[1]  # killed by the test before
+
+    async def main():
+        pool = ServerPool([HttpGenerationClient(dead)])
+        try:
+            await pool.check_health()
+            t0 = time.monotonic()
+            with pytest.raises(NoServerError, match="no generation server in rotation") as err:
+                await pool.acquire(timeout_s=0.5)
+            assert time.monotonic() - t0 < 2.0 and dead in str(err.value)
+            with pytest.raises(WeightUpdateError, match="v9: no generation server loaded it"):
+                await update_servers(pool, DiskWeightReceiver(), {"version": 9, "path": servers.weights}, 1.0)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_wrong_address_and_another_model_are_one_clear_error(servers):
+    from launch.rollout_proc import _ready_pool
+
+    cfg = load_config(DEBUG, [f"run_dir={servers.cfg.run_dir}", "rollout.connect_timeout_s=1"])
+    closed = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"rollout.server_addrs\[1\]: .*127.0.0.1") as err:
+        asyncio.run(_ready_pool(cfg, [servers.urls[0], closed], True, servers.tok))
+    assert time.monotonic() - t0 < 5.0 and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"rollout.server_addrs: .*http://"):
+        asyncio.run(_ready_pool(cfg, ["127.0.0.1:8000"], True, servers.tok))
+
+    other_cfg = load_config(DEBUG, ["model.dtype=float32", "model.tiny_alphabet=01+="])
+    other_tok = load_tokenizer(other_cfg.model)
+    other = load_model(other_cfg.model, seed=0, tokenizer=other_tok)
+    with BackgroundServer.for_model(other, other_tok, servers.cfg.engine, model_name="tiny") as small, \
+            BackgroundServer.for_model(other, other_tok, servers.cfg.engine, model_name="smollm2-135m") as named:
+        with pytest.raises(ValueError, match=r"rollout.server_addrs\[1\] .*vocabulary.*another model"):
+            asyncio.run(_ready_pool(cfg, [servers.urls[0], small], True, servers.tok))
+        with pytest.raises(ValueError, match=r"rollout.server_addrs\[0\] .*serves model 'smollm2-135m'.*'tiny'"):
+            asyncio.run(_ready_pool(cfg, [named], True, servers.tok))
