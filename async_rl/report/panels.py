@@ -83,8 +83,9 @@ def _staleness_lines(run: RunData, ax: Axes) -> None:
               if run.has("train", key)}
     eta = run.config.get("max_staleness")
     plot_curves(curves, ax=ax, title="Staleness of trained trajectories", xlabel=XLABELS["step"],
-                ylabel="versions behind the trainer", markers=True,
+                ylabel="versions behind the trainer", markers=True, legend=True,
                 hlines={f"bound max_staleness={eta}": eta} if isinstance(eta, int) else None)
+    ax.set_ylim(bottom=0)
 
 
 def _hists(run: RunData) -> tuple[list[float], list[list[float]]]:
@@ -121,7 +122,8 @@ def _versions(run: RunData, ax: Axes) -> None:
               [("train/versions_per_traj_mean", "mean over the batch"), ("train/versions_per_traj_max", "max")]
               if run.has("train", key)}
     plot_curves(curves, ax=ax, title="Versions mixed per trajectory", xlabel=XLABELS["step"],
-                ylabel="distinct policy versions", markers=True)
+                ylabel="distinct policy versions", markers=True, legend=True)
+    ax.set_ylim(bottom=0)
 
 
 def _throughput(run: RunData, ax: Axes) -> None:

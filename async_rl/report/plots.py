@@ -59,11 +59,13 @@ def default_window(n: int) -> int:
 
 def plot_curves(curves: Mapping[str, Curve], path: str | Path | None = None, *, title: str, xlabel: str,
                 ylabel: str, ax: Axes | None = None, smooth_window: int = 1, markers: bool = False,
-                hlines: Mapping[str, float] | None = None, ylim: tuple[float, float] | None = None) -> Path | None:
+                hlines: Mapping[str, float] | None = None, ylim: tuple[float, float] | None = None,
+                legend: bool | None = None) -> Path | None:
     """Draws each named (xs, ys) curve; with `smooth_window` > 1 the raw points are faint under a trailing mean.
 
     With `ax` it draws there and returns None; otherwise it makes a figure, saves it to `path`
-    and returns the path. `hlines` are labelled dashed reference lines (e.g. a bound).
+    and returns the path. `hlines` are labelled dashed reference lines (e.g. a bound). The legend
+    shows when there is more than one line, unless `legend` says otherwise.
     """
     if ax is None and path is None:
         raise ValueError("plot_curves: give `path` (a new figure is saved there) or `ax` (draw on it)")
@@ -86,7 +88,7 @@ def plot_curves(curves: Mapping[str, Curve], path: str | Path | None = None, *, 
     ax.set_ylabel(ylabel)
     if ylim is not None:
         ax.set_ylim(*ylim)
-    if len(ax.get_legend_handles_labels()[0]) > 1:  # one plain curve is named by the title
+    if legend or (legend is None and len(ax.get_legend_handles_labels()[0]) > 1):  # else the title names it
         ax.legend(fontsize=8)
     return save(fig, path) if fig is not None else None
 
@@ -102,7 +104,7 @@ def stacked_bars(ax: Axes, xs: Sequence[float], layers: Mapping[str, Sequence[fl
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars fill the axes
 
 
 def no_data(ax: Axes, title: str, text: str) -> None:
