@@ -68,12 +68,14 @@ def draw_panel(run: RunData, panel: Panel) -> Drawn:
 
 
 def _curve(source: str, key: str, label: str, title: str, ylabel: str, x: str = "step", *, smoothed: bool = False,
-           markers: bool = False, ylim: tuple[float, float] | None = None) -> Chart:
+           markers: bool = False, ylim: tuple[float, float] | None = None, counts: bool = False) -> Chart:
     def draw(run: RunData, ax: Axes) -> None:
         xs, ys = run.series(source, key, x)
         xlabel = VERSION_X if source != "train" and x == "step" else XLABELS[x]
         plot_curves({label: (xs, ys)}, ax=ax, title=title, xlabel=xlabel, ylabel=ylabel, markers=markers,
                     smooth_window=default_window(len(ys)) if smoothed else 1, ylim=ylim)
+        if counts:
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     return Chart(title, needs(source, key), draw)
 
 
@@ -164,10 +166,28 @@ def _trainer_time(run: RunData, ax: Axes) -> None:
                  xlabel=XLABELS["step"], ylabel="seconds", colors=["0.7", "C0", "C2"][:len(layers)])
 
 
+ENGINE_IDLE_KEYS = ("engine/idle_frac", "engine/idle_s_total")  # a share per update, or cumulative seconds
+
+
+def engine_idle_share(run: RunData) -> tuple[list[float], list[float]]:
+    """% idle per weight update: logged directly, or the growth of the idle seconds over the elapsed time."""
+    if run.has("rollout", "engine/idle_frac"):
+        xs, ys = run.series("rollout", "engine/idle_frac")
+        return xs, [100.0 * y for y in ys]
+    rows = [r for r in run.rollout if r.get("engine/idle_s_total") is not None and "time" in r and "step" in r]
+    xs, ys = [], []
+    for prev, row in zip(rows, rows[1:]):
+        elapsed = row["time"] - prev["time"]
+        if elapsed > 0:
+            xs.append(row["step"])
+            ys.append(100.0 * (row["engine/idle_s_total"] - prev["engine/idle_s_total"]) / elapsed)
+    return xs, ys
+
+
 def _engine_idle(run: RunData, ax: Axes) -> None:
-    xs, ys = run.series("rollout", "engine/idle_frac")
-    plot_curves({"engine": (xs, [100.0 * y for y in ys])}, ax=ax, title="Generation engine idle time",
-                xlabel=VERSION_X, ylabel="% of time idle", markers=True, ylim=(0, 100))
+    xs, ys = engine_idle_share(run)
+    plot_curves({"engine": (xs, ys)}, ax=ax, title="Generation engine idle time", xlabel=VERSION_X,
+                ylabel="% of time idle", markers=True, ylim=(0, max([100.0, *ys])))
 
 
 PANELS: dict[str, Panel] = {
@@ -198,9 +218,10 @@ PANELS: dict[str, Panel] = {
               needs_any("train", "train/versions_per_traj_mean", "train/versions_per_traj_max"), _versions),)),
     "queue": Panel("Trajectory queue", "Trajectories waiting in the queue after each train step, and "
                    "generations in flight on the rollout side at each weight update.", (
-        _curve("train", "queue/depth", "queued", "Queue depth (trainer side)", "trajectories", markers=True),
+        _curve("train", "queue/depth", "queued", "Queue depth (trainer side)", "trajectories", markers=True,
+               counts=True),
         _curve("rollout", "rollout/in_flight", "in flight", "In flight (rollout side)", "trajectories",
-               markers=True))),
+               markers=True, counts=True))),
     "interruptions": Panel("Interruptions", "Trajectories whose generation a weight update paused (KV "
                            "recomputed, then continued), and how long each update paused the engine.", (
         Chart("Interrupted trajectories", needs("train", "rollout/interrupted"), _interrupted),
@@ -208,8 +229,8 @@ PANELS: dict[str, Panel] = {
     "idle": Panel("Idle time", "Trainer: time per step split into waiting for data, training and "
                   "publishing. Engine: share of time with nothing to generate.", (
         Chart("Trainer time per step", needs_any("train", *IDLE_KEYS), _trainer_time),
-        Chart("Engine idle time", needs("rollout", "engine/idle_frac"), _engine_idle))),
+        Chart("Engine idle time", needs_any("rollout", *ENGINE_IDLE_KEYS), _engine_idle))),
     "optimisation": Panel("Optimisation", "Decoupled-PPO loss and gradient norm per train step.", (
-        _curve("train", "train/loss", "loss", "Loss", "loss"),
+        _curve("train", "train/loss", "loss", "Loss", "decoupled-PPO loss"),
         _curve("train", "train/grad_norm", "grad norm", "Gradient norm (before clipping)", "L2 norm"))),
 }

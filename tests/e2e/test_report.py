@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from async_rl.report import RunDirError, compare_runs, plot_curves, write_report
+from async_rl.report import RunDirError, compare_runs, load_run, plot_curves, write_report
+from async_rl.report.panels import engine_idle_share
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
@@ -156,7 +157,8 @@ def test_missing_metrics_skip_their_panel_and_say_so(tmp_path):
     assert "staleness_hist" not in names and "versions" not in names
     assert not (run / "report" / "versions.png").exists()
     html = report.index.read_text()
-    assert "Engine idle time: not drawn, the run has no engine/idle_frac (rollout_metrics.jsonl)" in html
+    assert ("Engine idle time: not drawn, the run has no engine/idle_frac (rollout_metrics.jsonl) or "
+            "engine/idle_s_total (rollout_metrics.jsonl)") in html
     assert any("train/staleness_hist" in s for s in report.skipped)
 
 
@@ -179,3 +181,14 @@ def test_benchmark_helpers_draw_several_runs(tmp_path):
     assert_png(path, min_px=200)
     with pytest.raises(ValueError, match="path"):
         plot_curves({}, title="t", xlabel="x", ylabel="y")
+
+
+def testengine_idle_share_from_cumulative_idle_seconds(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    _rows(run_dir / "rollout_metrics.jsonl", [{"step": v, "time": 100.0 + 2 * v, "engine/idle_s_total": 0.5 * v}
+                                              for v in range(1, 6)])
+    xs, ys = engine_idle_share(load_run(run_dir))
+    assert xs == [2, 3, 4, 5] and ys == pytest.approx([25.0] * 4)  # 0.5 s idle in every 2 s
+    report = write_report(run_dir)
+    assert "idle" in [p.stem for p in report.images]
