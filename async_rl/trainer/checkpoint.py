@@ -15,11 +15,12 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +31,14 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
+def save_checkpoint(path: str | Path, model: torch.nn.Module | Mapping[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, step: int,
                     extra: dict[str, Any] | None = None) -> Path:
-    """Write a checkpoint directory at `path` (replacing one already there); return its path."""
+    """Write a checkpoint directory at `path` (replacing one already there); return its path.
+
+    `model` and `optimizer` may also be state dicts already gathered (a sharded trainer's
+    full CPU tensors, tied entries as one tensor); the files are the same either way.
+    """
     extra = dict(extra or {})
     if "step" in extra:
         raise ValueError("extra: 'step' is reserved (pass the step as the `step` argument)")
@@ -41,9 +47,17 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+    if isinstance(model, torch.nn.Module):
+        save_model(model, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+    else:  # one name per tensor object: load_model() restores the tied names from the model
+        tensors, seen = {}, set()
+        for name, t in model.items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                tensors[name] = t.contiguous()
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"step": str(step)})
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(optimizer if isinstance(optimizer, Mapping) else optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=1))
     old = out.with_name(f"{out.name}.old{os.getpid()}")
     if out.exists():

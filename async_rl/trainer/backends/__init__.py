@@ -1,0 +1,85 @@
+"""Trainer backends, chosen by `trainer.backend`: how many processes train and how weights are laid out.
+
+    spec = TRAINER_BACKENDS[cfg.trainer.backend]
+    spec.check(cfg.trainer)                        # before any process starts: world size vs devices
+    trainer = spec.build(cfg, RankInfo(rank, world_size, store))   # on every rank, in lock step
+
+- `single`: today's `PPOTrainer`, one process (CPU or one GPU); `trainer.world_size` must be 1.
+- `fsdp`: FSDP2 (`fully_shard`) over `trainer.world_size` processes, gloo on CPU, NCCL on CUDA
+  (rank r on `cuda:r`). Data parallel: every rank runs its share of each micro-batch,
+  gradients are summed by FSDP's reduce-scatter, so a step equals the single-process step.
+
+A built trainer is SPMD: every rank calls the same methods in the same order (the launch
+layer forwards rank 0's calls to the other ranks). `state_dict()` and `save_checkpoint()`
+are collective; rank 0 gets the full weights, the other ranks an empty dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from async_rl.config import Config, TrainerConfig
+from async_rl.types import Trajectory
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """Where this process sits in the trainer's process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    store: Any = None  # a torch.distributed Store shared by the ranks (None for one process)
+    local_rank: int | None = None  # device index on this node (default: rank); a launcher that
+    # gives each rank one visible GPU passes 0
+    timeout_s: float = 60.0  # a collective that waits longer than this fails instead of hanging
+
+
+class TrainerBackend(Protocol):
+    """What the trainer process drives; `policy_version` counts train steps."""
+
+    policy_version: int
+
+    def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    check: Callable[[TrainerConfig], None]  # raise ValueError naming the key if the machine cannot run it
+    build: Callable[[Config, RankInfo], TrainerBackend]
+
+
+def train_staleness(cfg: Config) -> int:
+    """The staleness bound the trainer enforces: 0 in sync mode (lock step), else max_staleness."""
+    return 0 if cfg.mode == "sync" else cfg.max_staleness
+
+
+def _single() -> BackendSpec:
+    from async_rl.trainer.backends import single
+
+    return BackendSpec(check=single.check, build=single.build)
+
+
+def _fsdp() -> BackendSpec:
+    from async_rl.trainer.backends import fsdp
+
+    return BackendSpec(check=fsdp.check, build=fsdp.build)
+
+
+# imported lazily: the fsdp backend pulls in torch.distributed only when chosen
+TRAINER_BACKENDS: dict[str, Callable[[], BackendSpec]] = {"single": _single, "fsdp": _fsdp}
+
+
+def get_backend(name: str) -> BackendSpec:
+    if name not in TRAINER_BACKENDS:
+        raise ValueError(f"trainer.backend: must be one of {'|'.join(TRAINER_BACKENDS)}, got {name!r}")
+    return TRAINER_BACKENDS[name]()

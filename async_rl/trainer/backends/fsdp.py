@@ -1,0 +1,201 @@
+"""The `fsdp` trainer backend: PPO on FSDP2 (`fully_shard`) across `trainer.world_size` processes.
+
+    trainer = build(cfg, RankInfo(rank, world_size, store))   # on every rank; joins the process group
+    stats = trainer.train_step(groups)                         # every rank, the same groups
+    weights = trainer.state_dict()                             # every rank; full on rank 0, {} elsewhere
+
+Each decoder layer is one FSDP unit and the rest (embedding, final norm, the tied LM head)
+is the root unit. The root is a small module whose forward is the whole log-prob
+computation (`token_logprobs`), so every weight is gathered inside an FSDP forward.
+
+Data parallel: every rank builds the same minibatches and micro-batches as the single
+process (same seed, same batch), then runs rows r, r+W, r+2W, ... of each micro-batch.
+The loss of a micro-batch is a token mean weighted by its share of the minibatch's
+tokens, so a token sum over the minibatch divided by its token count; FSDP sums the
+ranks' gradients (divide factor 1), which gives exactly the single-process gradient.
+Every rank runs every micro-batch's forward and backward, an empty share as a
+zero-weight pass over one token, so the collectives stay in lock step.
+
+Device: gloo on CPU, NCCL on CUDA with rank r on `cuda:r` (or `cuda:local_rank`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from async_rl.config import Config, TrainerConfig
+from async_rl.models import load_model
+from async_rl.trainer.backends import RankInfo, train_staleness
+from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict
+from async_rl.trainer.batching import Batch, token_logprobs
+from async_rl.trainer.checkpoint import save_checkpoint
+from async_rl.trainer.trainer import PPOTrainer, _StatsAccumulator
+from async_rl.utils.hardware import resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+class LogprobModel(torch.nn.Module):
+    """FSDP root: token ids -> [B, L-1] log-probs of the scored tokens (see `token_logprobs`)."""
+
+    def __init__(self, lm: torch.nn.Module, temperature: float):
+        super().__init__()
+        self.lm = lm
+        self.temperature = temperature
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                score_mask: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(self.lm, input_ids, attention_mask, self.temperature, score_mask=score_mask)
+
+
+class FSDPTrainer(PPOTrainer):
+    """PPOTrainer whose model is sharded over the default process group; see the module docstring."""
+
+    def __init__(self, root: LogprobModel, cfg: TrainerConfig, **kwargs: Any):
+        super().__init__(root, cfg, temperature=root.temperature, **kwargs)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    # ------------------------------------------------------------------ backend interface
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: full CPU weights named as the HF model's state_dict() on rank 0, {} elsewhere."""
+        return gather_state_dict(self.model.lm)
+
+    def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
+        """Collective: rank 0 writes the same checkpoint layout as the single backend (full tensors)."""
+        weights = gather_state_dict(self.model.lm)
+        optim = gather_optimizer_state(self.optimizer)
+        if self.rank == 0:
+            save_checkpoint(path, weights, optim, step, extra)
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ PPOTrainer seams
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
+        score = batch.loss_mask
+        if batch.num_tokens == 0:  # an empty share: score one real position so every weight sees a backward
+            score = torch.zeros_like(batch.loss_mask)
+            score[0, 0] = 1.0
+        with self._autocast():
+            return self.model(batch.input_ids, batch.attention_mask, score)
+
+    def _local_share(self, micros: list[Batch]) -> list[Batch]:
+        """Rows rank, rank+W, ... of every non-empty micro-batch; row 0 unscored where that is nothing."""
+        out = []
+        for b in micros:
+            if not b.num_tokens:
+                continue
+            rows = list(range(self.rank, b.input_ids.shape[0], self.world_size))
+            if rows:
+                out.append(_rows(b, rows))
+            else:
+                idle = _rows(b, [0])
+                out.append(dataclasses.replace(idle, loss_mask=torch.zeros_like(idle.loss_mask)))
+        return out
+
+    def _stats_result(self, acc: _StatsAccumulator) -> dict[str, float]:
+        """Token-weighted sums and maxima of every rank combined; every rank ran the same stat keys."""
+        sums_keys, max_keys = sorted(acc.sums), sorted(acc.maxes)
+        sums = torch.tensor([acc.sums[k] for k in sums_keys] + [float(acc.tokens)], dtype=torch.float64,
+                            device=self.device)
+        maxes = torch.tensor([acc.maxes[k] for k in max_keys] or [0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        acc.sums = dict(zip(sums_keys, sums[:-1].tolist()))
+        acc.tokens = int(sums[-1].item())
+        acc.maxes = dict(zip(max_keys, maxes.tolist()))
+        return acc.result()
+
+    def _clip_grads(self) -> float:
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def _rows(b: Batch, rows: list[int]) -> Batch:
+    idx = torch.tensor(rows, device=b.input_ids.device)
+    return Batch(input_ids=b.input_ids[idx], attention_mask=b.attention_mask[idx], loss_mask=b.loss_mask[idx],
+                 behav_logprobs=b.behav_logprobs[idx], versions=b.versions[idx], advantages=b.advantages[idx],
+                 index=[b.index[r] for r in rows])
+
+
+# ---------------------------------------------------------------------- devices and build
+def _visible_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check(cfg: TrainerConfig) -> None:
+    """Fail before any process starts if this machine cannot hold `trainer.world_size` ranks."""
+    device = resolve_device(cfg.device, "trainer.device")
+    n = cfg.world_size
+    if device.type == "cuda":
+        if device.index is not None and n > 1:
+            raise ValueError(f"trainer.device: {cfg.device!r} pins one GPU, but trainer.world_size={n} needs one "
+                             "per rank; use cuda or auto (rank r runs on cuda:r)")
+        count = torch.cuda.device_count()
+        if n > count:
+            raise ValueError(f"trainer.world_size: {n} ranks need {n} CUDA devices (one per rank), "
+                             f"but {count} are visible")
+    elif n > _visible_cores():
+        raise ValueError(f"trainer.world_size: {n} CPU ranks need at least {n} cores (one thread each), "
+                         f"but this machine has {_visible_cores()}")
+
+
+def rank_device(cfg: TrainerConfig, local_rank: int) -> torch.device:
+    device = resolve_device(cfg.device, "trainer.device")
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count()
+    if device.index is None and local_rank >= count:
+        raise ValueError(f"trainer.world_size: rank on local device {local_rank} needs cuda:{local_rank}, "
+                         f"but {count} CUDA device(s) are visible here")
+    return torch.device("cuda", device.index if device.index is not None else local_rank)
+
+
+def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
+    """Join the process group (gloo on CPU, NCCL on CUDA), shard the model, return this rank's trainer."""
+    if rank.world_size != cfg.trainer.world_size:
+        raise ValueError(f"trainer.world_size: config says {cfg.trainer.world_size}, "
+                         f"launcher started {rank.world_size} ranks")
+    if rank.store is None:
+        raise ValueError("trainer.backend=fsdp: ranks need a shared store (start them with trainer_rank_main)")
+    device = rank_device(cfg.trainer, rank.rank if rank.local_rank is None else rank.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore("fsdp", rank.store), rank=rank.rank,
+                                world_size=rank.world_size, timeout=timedelta(seconds=rank.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    mesh = init_device_mesh(device.type, (rank.world_size,))
+    # every rank builds the same initial weights from the seed, then keeps only its shard
+    lm = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
+    root = LogprobModel(lm, cfg.rollout.temperature)
+    for layer in getattr(lm.get_decoder(), "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+    assert isinstance(root, FSDPModule)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            # sum the ranks' gradients (shares are token-sum weighted) with a plain SUM: gloo has no PREMUL_SUM
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    logger.info("fsdp rank %d/%d on %s: %d FSDP units", rank.rank, rank.world_size, device,
+                sum(isinstance(m, FSDPModule) for m in root.modules()))
+    return FSDPTrainer(root, cfg.trainer, max_staleness=train_staleness(cfg), seed=cfg.seed)

@@ -1,0 +1,39 @@
+"""The `single` trainer backend: today's `PPOTrainer` in one process (CPU or one GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from async_rl.config import Config, TrainerConfig
+from async_rl.models import load_model
+from async_rl.trainer.backends import RankInfo, train_staleness
+from async_rl.trainer.checkpoint import save_checkpoint
+from async_rl.trainer.trainer import PPOTrainer
+from async_rl.utils.hardware import resolve_device
+
+
+class SingleTrainer(PPOTrainer):
+    """PPOTrainer with the backend interface's checkpoint and close."""
+
+    def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
+        save_checkpoint(path, self.model, self.optimizer, step, extra)
+
+    def close(self) -> None:
+        """Nothing to release: one process, no process group."""
+
+
+def check(cfg: TrainerConfig) -> None:
+    if cfg.world_size != 1:
+        raise ValueError(f"trainer.world_size: the single backend runs one process, got {cfg.world_size}; "
+                         "use trainer.backend=fsdp to train on several")
+    resolve_device(cfg.device, "trainer.device")
+
+
+def build(cfg: Config, rank: RankInfo) -> SingleTrainer:
+    check(cfg.trainer)
+    device = resolve_device(cfg.trainer.device, "trainer.device")
+    # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
+    model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
+    return SingleTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature,
+                         max_staleness=train_staleness(cfg), seed=cfg.seed)
