@@ -337,6 +337,14 @@ class AsyncEngine:
     async def resume(self) -> None:
         await self._call(lambda: setattr(self, "_paused", False))
 
+    async def retract_all(self) -> list[str]:
+        """Free the KV of every started request; it is recomputed when stepping resumes (SGLang's `retract`)."""
+        return await self._call(self.engine.retract_all)
+
+    async def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing done) while running requests hold KV."""
+        return await self._call(self.engine.flush_cache)
+
     async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float]:
         """Load weights from a .safetensors file (or a directory of them) at a step boundary;
         sequences in flight recompute their KV and continue. Works paused or not."""
