@@ -53,17 +53,53 @@ def _array(d: dict, key: str, dtype: str, where: str, length: int | None = None)
 
 
 # --------------------------------------------------------------------------- sampling
+# SGLang `sampling_params` keys asking for what the embedded engine cannot do: set -> an error naming the key.
+UNSUPPORTED_SAMPLING = {
+    "regex": "regex-constrained decoding",
+    "json_schema": "JSON-schema-constrained decoding",
+    "ebnf": "grammar-constrained decoding",
+    "structural_tag": "structural-tag-constrained decoding",
+    "stop_regex": "stop conditions given as regular expressions",
+    "watermark": "watermarking",
+}
+# SGLang keys that change nothing here (text streaming cadence, detokeniser spacing, custom
+# logit-processor arguments without a processor): accepted and dropped.
+IGNORED_SAMPLING = ("stream_interval", "spaces_between_special_tokens", "custom_params")
+MAX_N = 64  # most samples one request may ask for (`n`)
+
+
+def _unset(value: Any) -> bool:
+    return value is None or (isinstance(value, (str, list, tuple, dict)) and not value)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
-    """How one request is sampled. Names follow SGLang's native `sampling_params`."""
+    """How one request is sampled. Names, meanings and defaults follow SGLang's native `sampling_params`
+    (`seed` is SGLang's `sampling_seed`; `top_logprobs` its request-level `top_logprobs_num`).
 
-    max_new_tokens: int = 64
+    Penalties, `min_p`, `min_new_tokens` and `logit_bias` shape the distribution tokens are drawn
+    from; the reported log-probs stay those of the policy (see `async_rl.engine.sampler`)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0  # stop tokens and stop strings are ignored before this many tokens
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) means no top-k truncation
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output so far, per logit
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    repetition_penalty: float = 1.0  # logits of output tokens divided (positive) or multiplied (negative) by it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # samples of the prompt; the HTTP server fans them out, the engine samples one per request
+    skip_special_tokens: bool = True  # in the decoded text
+    no_stop_trim: bool = False  # keep a matched stop string at the end of the decoded text
     seed: int | None = None
     top_logprobs: int = 0  # also return this many most likely tokens per position
 
@@ -74,51 +110,120 @@ class SamplingParams:
                 f"sampling_params.max_new_tokens: must be an integer in [1, {max_new_tokens_limit}], "
                 f"got {self.max_new_tokens!r}"
             )
-        if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature <= 100.0) \
-                or math.isnan(self.temperature):
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"sampling_params.min_new_tokens: must be an integer in [0, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.min_new_tokens!r}")
+        if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"sampling_params.temperature: must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p: must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"sampling_params.top_k: must be -1 (off) or >= 0, got {self.top_k!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling_params.min_p: must be in [0, 1], got {self.min_p!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not _number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"sampling_params.{name}: must be in [-2, 2], got {getattr(self, name)!r}")
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"sampling_params.repetition_penalty: must be in (0, 2] (1 = off), "
+                             f"got {self.repetition_penalty!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or not _number(b)
+               for t, b in self.logit_bias.items()):
+            raise ValueError(f"sampling_params.logit_bias: must map token ids to finite numbers, "
+                             f"got {self.logit_bias!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"sampling_params.n: must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"sampling_params.top_logprobs: must be in [0, 20], got {self.top_logprobs!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"sampling_params.stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"sampling_params.stop: must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sampling_params.{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"sampling_params.seed: must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether drawing needs the output so far (penalties, min_new_tokens) or a logit bias."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.min_new_tokens or self.logit_bias)
+
     def to_wire(self) -> dict[str, Any]:
-        return {f.name: (list(getattr(self, f.name)) if isinstance(getattr(self, f.name), tuple)
-                         else getattr(self, f.name)) for f in fields(self)}
+        """The `sampling_params` map of a /generate body in SGLang's names, non-default values only
+        (so older SGLang releases, which lack some keys, accept it). `top_logprobs` is not in it: it
+        travels as the request's `top_logprobs_num`."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("seed", "top_logprobs") or (f.name not in ("max_new_tokens", "temperature")
+                                                       and value == _DEFAULTS[f.name]):
+                continue
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, dict):
+                value = {str(k): v for k, v in value.items()}
+            out[f.name] = value
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        return out
 
     @classmethod
     def from_wire(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        """Build from a JSON/msgpack map; unknown keys raise ValueError naming them."""
+        """Build from SGLang's `sampling_params` map (or ours). `null` means unset; keys asking for
+        what the engine cannot do, and unknown keys, raise ValueError naming them."""
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"sampling_params: must be a map, got {type(d).__name__}")
         d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        for key in IGNORED_SAMPLING:
+            d.pop(key, None)
+        for key, what in UNSUPPORTED_SAMPLING.items():
+            if not _unset(d.pop(key, None)):
+                raise ValueError(f"sampling_params.{key}: {what} is not supported by this engine; leave it unset")
+        if d.pop("beam_width", None) not in (None, 1):
+            raise ValueError("sampling_params.beam_width: beam search is not supported by this engine; leave it unset")
+        seed = d.pop("sampling_seed", None)
+        if seed is not None:
+            if d.get("seed") not in (None, seed):
+                raise ValueError(f"sampling_params.sampling_seed: {seed!r} disagrees with seed {d['seed']!r}; give one")
+            d["seed"] = seed
+        d = {k: v for k, v in d.items() if v is not None}
+        unknown = sorted(set(d) - set(_DEFAULTS))
         if unknown:
-            raise ValueError(f"sampling_params.{unknown[0]}: unknown field (allowed: {', '.join(sorted(known))})")
+            raise ValueError(f"sampling_params.{unknown[0]}: unknown field (allowed: {', '.join(sorted(_DEFAULTS))}, "
+                             f"sampling_seed, and SGLang's {', '.join(sorted(IGNORED_SAMPLING))})")
         for key in ("stop_token_ids", "stop"):
             if key in d:
                 v = d[key]
-                if v is None:
-                    v = ()
-                elif isinstance(v, (str, int)):
+                if isinstance(v, (str, int)):
                     v = (v,)
                 elif not isinstance(v, (list, tuple)):
                     raise ValueError(f"sampling_params.{key}: must be a list, got {type(v).__name__}")
                 d[key] = tuple(v)
+        if "logit_bias" in d:
+            d["logit_bias"] = _logit_bias(d["logit_bias"])
         params = cls(**d)
         params.validate()
         return params
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise ValueError(f"sampling_params.logit_bias: must be a map of token id to bias, got {type(value).__name__}")
+    try:
+        return {int(k): v for k, v in value.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"sampling_params.logit_bias: keys must be token ids, got {sorted(value)[:5]!r}") from None
+
+
+_DEFAULTS: dict[str, Any] = {f.name: (f.default_factory() if callable(f.default_factory) else f.default)
+                             for f in fields(SamplingParams)}
 
 
 # --------------------------------------------------------------------------- sample

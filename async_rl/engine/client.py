@@ -3,7 +3,25 @@
     client = HttpGenerationClient("http://127.0.0.1:30000")
     await client.wait_ready(60)
     out = await client.generate(prompt_ids, SamplingParams(max_new_tokens=32))
-    await client.close()
+    await client.pause_generation(); await client.update_weights_from_disk(path, 1)
+    await client.continue_generation(); await client.close()
+
+One client drives both servers with SGLang's native API (`sglang_api` holds the shapes).
+A weight update is pause -> load -> continue; the pause mode is the client's `pause_mode`:
+- `retract` (default): requests in flight keep their tokens and recompute their KV under the
+  new weights; each answer is one piece, its tokens labelled with the version that sampled
+  them (`output_token_versions` of the embedded server, `meta_info.weight_versions` spans of
+  SGLang >= 0.5.19);
+- `abort`: requests in flight come back at once with their partial output; this client then
+  re-submits prompt + tokens so far (for the remaining max_new_tokens, with a fresh seed)
+  once generation continues and joins the pieces; every piece is sampled by one version.
+  This is what AReaL, slime and verl do, and it works with any SGLang that has
+  /pause_generation. Penalties then see only the current piece's tokens as output;
+- `in_place`: stepping stops, the KV is kept (SGLang then reuses KV computed with the old weights).
+Where a server reports no per-token versions, the client labels tokens from the update
+times it saw: every token of a request gets the version in use when it was submitted, so a
+request that lived through an update is counted as old as it can be (sound for the
+staleness bound, never younger than it is).
 
 One client serves many concurrent sessions (a pooled `httpx.AsyncClient`). Failures
 come back as: `ValueError` for a 4xx answer (carrying the server's message, which names
@@ -15,6 +33,7 @@ closes its connection, which makes the embedded server abort the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,49 +41,53 @@ from typing import Any
 
 import httpx
 
+from async_rl.engine.sglang_api import generate_body, joined_output, output_from_response
 from async_rl.types import GenerationOutput, SamplingParams, new_id
+from async_rl.utils.seeding import derive_seed
+
+__all__ = ["PAUSE_MODES", "HttpGenerationClient", "ServerUnreachableError", "output_from_response"]
+
+PAUSE_MODES = ("retract", "abort", "in_place")
 
 
 class ServerUnreachableError(ConnectionError):
     """The generation server at an address does not answer."""
 
 
-def output_from_response(rid: str, body: dict[str, Any]) -> GenerationOutput:
-    """A /generate answer (SGLang's shape, with our per-token versions when present) as GenerationOutput."""
-    meta = body["meta_info"]
-    ids = [int(t) for t in body["output_ids"]]
-    lps = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
-    versions = meta.get("output_token_versions")
-    if versions is None:  # a server without per-token versions: every token has its current version
-        versions = [int(meta.get("weight_version") or 0)] * len(ids)
-    top = meta.get("output_top_logprobs")
-    reason = meta["finish_reason"]
-    return GenerationOutput(
-        request_id=str(meta.get("id", rid)), prompt_len=int(meta.get("prompt_tokens", 0)), output_ids=ids,
-        output_logprobs=lps if len(lps) == len(ids) else [0.0] * len(ids),
-        output_versions=[int(v) for v in versions],
-        finish_reason=reason["type"] if isinstance(reason, dict) else str(reason),
-        num_interruptions=int(meta.get("num_interruptions", 0)),
-        output_top_logprobs=None if top is None else [[(int(e[1]), float(e[0])) for e in pos] for pos in top],
-        prefix_cached_tokens=int(meta.get("cached_tokens", 0)),
-    )
+def _resumed(params: SamplingParams, done: int) -> SamplingParams:
+    # a fresh seed per resume point: re-using the request's seed would replay the draws of its first tokens
+    return dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done,
+                               min_new_tokens=max(0, params.min_new_tokens - done),
+                               seed=None if params.seed is None else derive_seed(params.seed, "resume", done))
 
 
 class HttpGenerationClient:
-    """`GenerationClient` over HTTP. `timeout_s` bounds one call (a whole generation)."""
+    """`GenerationClient` over HTTP. `timeout_s` bounds one call (a whole generation); `pause_mode`
+    is how `pause_generation` stops the server (see the module docstring)."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0):
+    def __init__(self, address: str, timeout_s: float = 600.0, pause_mode: str = "retract"):
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"generation server address must start with http:// or https://, got {address!r}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode: must be one of {'|'.join(PAUSE_MODES)}, got {pause_mode!r}")
         self.address = address.rstrip("/")
         self.timeout_s = timeout_s
+        self.pause_mode = pause_mode
+        self.weight_version: int | None = None  # last version loaded through this client (None: the server's)
+        self.retractions_total = 0  # meta_info.num_retractions summed over answers
+        self._updates = 0  # weight updates done through this client
+        self._abort_pauses = 0  # pauses in mode abort done through this client
+        self._abort_paused = False  # a pause in mode abort of this client is in effect
+        self._aborted: set[str] = set()  # request ids aborted on purpose: never re-submitted
+        self._running = asyncio.Event()  # cleared while this client holds the server paused
+        self._running.set()
         self._http = httpx.AsyncClient(
             base_url=self.address, timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), trust_env=False)
 
     # ------------------------------------------------------------------ plumbing
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None,
-                       timeout_s: float | None = None) -> dict[str, Any]:
+                       timeout_s: float | None = None) -> Any:
         kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
         try:
             if method == "GET":
@@ -79,12 +102,14 @@ class HttpGenerationClient:
                                          f"({type(exc).__name__}: {exc})") from None
         return self._check(path, resp)
 
-    def _check(self, path: str, resp: httpx.Response) -> dict[str, Any]:
+    def _check(self, path: str, resp: httpx.Response) -> Any:
         if resp.status_code < 400:
-            return resp.json()
+            return resp.json() if resp.content else {}
         try:
             body = resp.json()
-            message = body["error"]["message"] if "error" in body else body.get("message", body.get("detail"))
+            error = body.get("error") if isinstance(body, dict) else None
+            message = error.get("message", error) if isinstance(error, dict) else error
+            message = message or body.get("message") or body.get("detail") or body
         except Exception:
             message = resp.text[:300]
         if resp.status_code < 500:
@@ -94,26 +119,68 @@ class HttpGenerationClient:
     # ------------------------------------------------------------------ GenerationClient
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerationOutput:
+        """One sample of `input_ids` (sampling_params.n must be 1: a group is n calls)."""
+        if sampling_params.n != 1:
+            raise ValueError(f"sampling_params.n: generate returns one sample, got n={sampling_params.n}")
         rid = request_id or new_id()
-        body = await self._request("POST", "/generate", {
-            "input_ids": [int(t) for t in input_ids], "rid": rid, "return_logprob": True,
-            "sampling_params": sampling_params.to_wire()})
-        return output_from_response(rid, body)
+        updates_at_start = self._updates
+        pieces: list[GenerationOutput] = []
+        while True:
+            done = [t for p in pieces for t in p.output_ids]
+            params = _resumed(sampling_params, len(done)) if pieces else sampling_params
+            version, updates, pauses = self.weight_version, self._updates, self._abort_pauses
+            body = await self._request("POST", "/generate", generate_body(list(input_ids) + done, params, rid))
+            out = output_from_response(rid, body, version=version, interruptions=self._updates - updates)
+            self.retractions_total += int(body["meta_info"].get("num_retractions") or 0)
+            pieces.append(out)
+            if not self._paused_us(out, pauses) or len(done) + len(out.output_ids) >= sampling_params.max_new_tokens:
+                break
+            await self._running.wait()
+        self._aborted.discard(rid)
+        if len(pieces) == 1:
+            return pieces[0]
+        return dataclasses.replace(joined_output(rid, len(input_ids), pieces),
+                                   num_interruptions=self._updates - updates_at_start)
 
-    async def pause_generation(self) -> None:
-        await self._request("POST", "/pause_generation")
+    def _paused_us(self, out: GenerationOutput, pauses_at_submit: int) -> bool:
+        """Was this answer cut short by a pause in mode abort of this client (so it is to be continued)?"""
+        return (out.finish_reason == "abort" and out.request_id not in self._aborted
+                and (self._abort_pauses != pauses_at_submit or self._abort_paused))
+
+    async def pause_generation(self, mode: str | None = None) -> None:
+        """Pause the server in `mode` (default: this client's `pause_mode`)."""
+        mode = mode or self.pause_mode
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode: must be one of {'|'.join(PAUSE_MODES)}, got {mode!r}")
+        self._running.clear()
+        if mode == "abort":
+            self._abort_pauses += 1
+            self._abort_paused = True
+        await self._request("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
-        await self._request("POST", "/continue_generation")
+        try:
+            await self._request("POST", "/continue_generation")
+        finally:
+            self._abort_paused = False
+            self._running.set()
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict[str, Any]:
         body = await self._request("POST", "/update_weights_from_disk",
-                                   {"model_path": str(model_path), "weight_version": int(weight_version)})
+                                   {"model_path": str(model_path), "weight_version": str(int(weight_version))})
         if not body.get("success", False):
             raise RuntimeError(f"{self.address}/update_weights_from_disk: {body.get('message', body)}")
+        self.weight_updated(weight_version)
         return body
 
+    def weight_updated(self, weight_version: int) -> None:
+        """Record that the server now samples with `weight_version` (call after any weight update made
+        on it): answers without per-token versions are labelled from these times."""
+        self.weight_version = int(weight_version)
+        self._updates += 1
+
     async def abort_request(self, request_id: str) -> None:
+        self._aborted.add(request_id)
         await self._request("POST", "/abort_request", {"rid": request_id})
 
     async def health(self) -> bool:
@@ -136,10 +203,9 @@ class HttpGenerationClient:
         Chunks carry the whole output so far (SGLang's default streaming shape); an unfinished one is
         reported with finish_reason "abort" until the last chunk says how it ended."""
         rid = request_id or new_id()
-        payload = {"input_ids": [int(t) for t in input_ids], "rid": rid, "return_logprob": True, "stream": True,
-                   "sampling_params": sampling_params.to_wire()}
         try:
-            async with self._http.stream("POST", "/generate", json=payload) as resp:
+            async with self._http.stream("POST", "/generate",
+                                         json=generate_body(input_ids, sampling_params, rid, stream=True)) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     self._check("/generate", resp)
@@ -151,7 +217,7 @@ class HttpGenerationClient:
                     finished = body["meta_info"].get("finish_reason") is not None
                     if not finished:
                         body["meta_info"]["finish_reason"] = "abort"
-                    yield output_from_response(rid, body), finished
+                    yield output_from_response(rid, body, version=self.weight_version), finished
         except httpx.TimeoutException:
             raise TimeoutError(f"generation server {self.address}/generate: no chunk within {self.timeout_s:g}s") from None
         except httpx.TransportError as exc:

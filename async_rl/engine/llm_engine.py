@@ -119,6 +119,12 @@ class LLMEngine:
                 "raise engine.kv_cache_mb or lower max_new_tokens")
         if params.stop and self.tokenizer is None:
             raise EngineInputError("sampling_params.stop: stop strings need the engine to have a tokenizer")
+        if params.n != 1:
+            raise EngineInputError(f"sampling_params.n: the engine samples one sequence per request, got n={params.n}"
+                                   " (the HTTP server fans n out into n requests)")
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise EngineInputError(f"sampling_params.logit_bias: token ids must be below the vocabulary size "
+                                   f"{self.vocab_size}, got {sorted(params.logit_bias)[-1]}")
 
     def abort_request(self, request_id: str) -> bool:
         seq = self._requests.pop(request_id, None)
@@ -131,6 +137,19 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._aborted)
 
+    def retract_all(self) -> list[str]:
+        """Free the KV of every started request (SGLang's pause mode `retract`): they go back to the
+        waiting queue and recompute it (from the prefix cache where it still holds) when stepping
+        resumes. Returns the retracted request ids."""
+        return [seq.request_id for seq in self.scheduler.interrupt_all()]
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while a running sequence holds KV blocks."""
+        if self.scheduler.running:
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
     # ------------------------------------------------------------------ the step loop
     def step(self) -> list[StepOutput]:
         outputs = [self._final(seq, [], [], None) for seq in self._aborted]
@@ -142,8 +161,8 @@ class LLMEngine:
         logits = self.runner.run(chunks)  # [S, V]
         self.block_manager.commit()
         sampling = [c for c in chunks if c.samples]
-        result = self.sampler(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling]) \
-            if sampling else None
+        result = self.sampler(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling],
+                              [c.seq for c in sampling]) if sampling else None
         for c in chunks:
             self._account(c)
         for i, c in enumerate(sampling):
@@ -172,10 +191,11 @@ class LLMEngine:
         return self._final(seq, [token], [logprob], None if top is None else [top])
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.stop_ids:
-            return "stop"
-        if seq.params.stop and self._hits_stop_string(seq):
-            return "stop"
+        if seq.num_output >= seq.params.min_new_tokens:  # SGLang: no stop before min_new_tokens
+            if token in seq.stop_ids:
+                return "stop"
+            if seq.params.stop and self._hits_stop_string(seq):
+                return "stop"
         if seq.num_output >= seq.params.max_new_tokens or len(seq) >= self.max_context:
             return "length"
         return None

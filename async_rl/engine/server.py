@@ -1,17 +1,29 @@
-"""HTTP server of the embedded engine: the subset of SGLang's native API that RL needs.
+"""HTTP server of the embedded engine: SGLang's native API as RL uses it, so SGLang's clients drive it too.
 
-    POST /generate                 {"input_ids" | "text", "sampling_params", "return_logprob", "rid", "stream"}
-    POST /pause_generation         {"mode": "in_place" (default) | "abort"}; in_place keeps requests in flight
+    POST|PUT /generate             {"input_ids" | "text", "sampling_params", "return_logprob", "top_logprobs_num",
+                                    "rid", "stream", ...}; sampling_params.n > 1 answers a list (rids "<rid>_<i>")
+    POST /pause_generation         {"mode": "abort" | "retract" (our default) | "in_place"}
     POST /continue_generation
     POST /update_weights_from_disk {"model_path", "weight_version"}: load, recompute KV, continue
+    GET|POST /flush_cache          drop the prefix cache (400 while requests are running)
     POST /abort_request            {"rid"} or {"abort_all": true}
-    GET  /health, /get_model_info, /get_server_info, /metrics
-    + the OpenAI-compatible routes of `openai_api` (/v1/chat/completions, /v1/completions, /v1/models)
+    GET  /health, /health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics
+    + the OpenAI-compatible routes of `openai_api` and the weight-transfer routes of `weight_routes`
 
-Response shapes follow SGLang's; `meta_info` adds `output_token_versions` (the policy
-version that sampled each token), `num_interruptions` and `weight_version`. Bad input is
-answered with 400 and `{"error": {"message": "<field>: <what is wrong>", ...}}`; the
-server keeps serving everyone else. A client that disconnects aborts its request.
+Pause modes, as SGLang defines them: `abort` returns every running and waiting request at
+once with its partial output (finish_reason abort); `retract` frees the KV of the requests
+in flight, which keep their tokens and recompute it when generation continues; `in_place`
+stops stepping and keeps the KV. New requests wait while paused. A weight update always
+recomputes the KV of the requests in flight (SGLang keeps stale KV after an `in_place`
+update; we never mix versions inside one forward pass). SGLang's default mode is `abort`;
+ours is `retract`, so a bare pause never loses work: clients should name the mode.
+
+Answers follow SGLang's shapes (`sglang_api`): finish_reason objects, log-probs as
+[logprob, token_id, text], `weight_version`, `weight_versions` spans and `num_retractions`;
+`meta_info` adds `output_token_versions` (the policy version that sampled each token)
+and `num_interruptions`. Bad input is answered with 400 and
+`{"error": {"message": "<field>: <what is wrong>", ...}}`; the server keeps serving
+everyone else. A client that disconnects aborts its request.
 """
 
 from __future__ import annotations
@@ -19,17 +31,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
-from async_rl.types import GenerationOutput, SamplingParams, new_id
+from async_rl.engine.sglang_api import finish_reason_json, logprob_entries, parse_version, version_spans
+from async_rl.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +121,9 @@ async def finish_all_or_disconnect(handles: list[RequestHandle],
                                    request: Request) -> list[GenerationOutput] | None:
     """The finished outputs, or None (requests aborted) if the client disconnects first."""
     done_task = asyncio.ensure_future(asyncio.gather(*(h.wait() for h in handles)))
+    # requests cancelled at shutdown or on disconnect end the gather with CancelledError: retrieve it,
+    # so asyncio does not print "exception was never retrieved" tracebacks when a run ends
+    done_task.add_done_callback(lambda f: f.cancelled() or f.exception())
     gone_task = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -135,25 +152,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class GenerateRequest(_Strict):
-    input_ids: list[StrictInt] | None = None
-    text: str | None = None  # tokenised by the server's tokenizer when input_ids is not given
-    sampling_params: dict[str, Any] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: StrictInt = 0  # SGLang's name; same as sampling_params.top_logprobs
-    rid: str | None = None
-    stream: bool = False
-
-
 class PauseRequest(_Strict):
-    mode: Literal["in_place", "abort"] = "in_place"
+    # SGLang's default is "abort"; ours keeps requests in flight (the RL-safe one). Clients name the mode.
+    mode: Literal["abort", "retract", "in_place"] = "retract"
+
+
+class ContinueRequest(_Strict):
+    torch_empty_cache: bool = True  # SGLang's; nothing to empty here
 
 
 class UpdateWeightsRequest(_Strict):
     model_path: str
-    weight_version: StrictInt | None = None  # default: current version + 1
-    load_format: Literal["safetensors"] | None = None
+    weight_version: StrictInt | str | None = None  # default: current version + 1; SGLang sends a str
+    load_format: Literal["safetensors", "auto"] | None = None
     abort_all_requests: bool = False
+    flush_cache: bool = True  # the KV of in-flight requests is always recomputed under the new weights
+    is_async: bool = False  # SGLang's scheduling knobs: no effect here
+    torch_empty_cache: bool = False
+    keep_pause: bool = False  # an update never changes whether generation is paused here
+    recapture_cuda_graph: bool = False
+    token_step: StrictInt = 0
+    manifest: None = None
 
 
 class AbortRequest(_Strict):
@@ -161,76 +180,48 @@ class AbortRequest(_Strict):
     abort_all: bool = False
 
 
-def meta_info(out: GenerationOutput, return_logprob: bool, weight_version: int,
-              finished: bool = True) -> dict[str, Any]:
-    reason: dict[str, Any] | None = None
-    if finished:
-        reason = {"type": out.finish_reason}
-        if out.finish_reason == "length":
-            reason["length"] = len(out.output_ids)
+def meta_info(out: GenerationOutput, return_logprob: bool, weight_version: int, finished: bool = True, *,
+              retractions: int = 0, token_text: Callable[[int], str] | None = None,
+              matched: int | str | None = None) -> dict[str, Any]:
+    """SGLang's `meta_info` of one answer (see `sglang_api`), plus our per-token versions."""
     meta: dict[str, Any] = {
-        "id": out.request_id, "finish_reason": reason, "prompt_tokens": out.prompt_len,
-        "completion_tokens": len(out.output_ids), "cached_tokens": out.prefix_cached_tokens,
-        "output_token_versions": out.output_versions, "num_interruptions": out.num_interruptions,
-        "weight_version": weight_version,
+        "id": out.request_id, "finish_reason": finish_reason_json(out, matched) if finished else None,
+        "prompt_tokens": out.prompt_len, "completion_tokens": len(out.output_ids),
+        "cached_tokens": out.prefix_cached_tokens, "weight_version": weight_version,
+        "weight_versions": version_spans(out.output_versions), "output_token_versions": out.output_versions,
+        "num_interruptions": out.num_interruptions, "num_retractions": retractions,
     }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t] for lp, t in zip(out.output_logprobs, out.output_ids)]
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = logprob_entries(out.output_logprobs, out.output_ids, token_text)
         if out.output_top_logprobs is not None:
-            meta["output_top_logprobs"] = [[[lp, t] for t, lp in pos] for pos in out.output_top_logprobs]
+            meta["output_top_logprobs"] = [[[lp, t, None if token_text is None else token_text(t)] for t, lp in pos]
+                                           for pos in out.output_top_logprobs]
     return meta
 
 
-class _App:
-    """Route bodies of the native API, sharing the engine, tokenizer and model name."""
+class _Control:
+    """Pause modes, weight updates and cache control; `retracted` counts retractions per request id."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.retracted: Counter[str] = Counter()
 
-    def decode(self, ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        if (req.input_ids is None) == (req.text is None):
-            raise ApiError(400, "input_ids: give exactly one of input_ids and text")
-        if req.input_ids is not None:
-            return req.input_ids
-        if self.tokenizer is None:
-            raise ApiError(400, "text: this server has no tokenizer; send input_ids")
-        return self.tokenizer.encode(req.text)
-
-    def result(self, out: GenerationOutput, return_logprob: bool, finished: bool = True) -> dict[str, Any]:
-        body: dict[str, Any] = {"output_ids": out.output_ids,
-                                "meta_info": meta_info(out, return_logprob, self.engine.weight_version, finished)}
-        text = self.decode(out.output_ids)
-        if text is not None:
-            body["text"] = text
-        return body
-
-    async def generate(self, req: GenerateRequest, request: Request) -> Any:
-        params = parse_sampling(req.sampling_params)
-        if req.top_logprobs_num:
-            params = parse_sampling({**params.to_wire(), "top_logprobs": req.top_logprobs_num})
-        handle = await self.engine.submit(req.rid or new_id(), self.prompt_ids(req), params)
-        if req.stream:
-            return StreamingResponse(self.stream(handle, req.return_logprob), media_type="text/event-stream")
-        outs = await finish_all_or_disconnect([handle], request)
-        return self.result(outs[0], req.return_logprob) if outs is not None else Response(status_code=499)
-
-    async def stream(self, handle: RequestHandle, return_logprob: bool) -> AsyncIterator[str]:
-        """SGLang's streaming shape: every chunk carries the output so far; then [DONE]."""
-        try:
-            async for delta in handle:
-                out = delta.output if delta.finished else GenerationOutput(
-                    request_id=handle.request_id, prompt_len=handle.prompt_len, output_ids=handle.output_ids,
-                    output_logprobs=handle.logprobs, output_versions=handle.versions, finish_reason="abort")
-                yield sse(self.result(out, return_logprob, finished=delta.finished))
-            yield sse("[DONE]")
-        finally:
-            await handle.aclose()
+    async def pause(self, mode: str) -> dict[str, Any]:
+        await self.engine.pause()  # first: nothing steps (or starts) while requests are aborted or retracted
+        aborted = await self.engine.abort_all() if mode == "abort" else 0
+        retracted = await self.engine.retract_all() if mode == "retract" else []
+        self.retracted.update(retracted)
+        return {"message": "Generation paused successfully.", "status": "ok", "success": True, "mode": mode,
+                "num_aborted_requests": aborted, "num_retracted_requests": len(retracted)}
 
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
-        version = req.weight_version if req.weight_version is not None else self.engine.weight_version + 1
+        version = self.engine.weight_version + 1
+        if req.weight_version is not None:
+            version = parse_version(req.weight_version)
+            if version is None:
+                raise ApiError(400, f"weight_version: must be an integer (this engine numbers policy versions), "
+                                    f"got {req.weight_version!r}")
         aborted = await self.engine.abort_all() if req.abort_all_requests else 0
         try:
             stats = await self.engine.update_weights_from_disk(req.model_path, version)
@@ -245,41 +236,48 @@ class _App:
                 "weight_version": version, "num_paused_requests": int(stats.get("engine/interrupted", 0)),
                 "num_aborted_requests": aborted, **stats}
 
-    def model_info(self) -> dict[str, Any]:
-        e = self.engine
-        return {"model_path": self.model_name, "model_name": self.model_name, "tokenizer_path": self.model_name,
-                "is_generation": True, "vocab_size": e.vocab_size, "max_context": e.max_context,
-                "context_length": e.max_context, "max_new_tokens_limit": e.max_new_tokens_limit,
-                "eos_token_ids": sorted(e.engine.eos_token_ids), "weight_version": e.weight_version}
+    async def flush_cache(self) -> Response:
+        if await self.engine.flush_cache():
+            return Response("Cache flushed.\n", status_code=200)
+        return Response("Cache not flushed: requests are running (pause with mode retract, or abort them).\n",
+                        status_code=400)
 
-    from async_rl.engine.weight_routes import weight_router  # likewise
+
+def model_info(engine: AsyncEngine, model_name: str) -> dict[str, Any]:
+    return {"model_path": model_name, "model_name": model_name, "served_model_name": model_name,
+            "tokenizer_path": model_name, "is_generation": True, "vocab_size": engine.vocab_size,
+            "max_context": engine.max_context, "context_length": engine.max_context,
+            "max_new_tokens_limit": engine.max_new_tokens_limit,
+            "eos_token_ids": sorted(engine.engine.eos_token_ids), "weight_version": engine.weight_version}
+
 
 def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None) -> FastAPI:
     """The FastAPI app: native routes plus the OpenAI-compatible ones (these need `tokenizer`)."""
+    from async_rl.engine.generate_route import add_generate_route  # it imports this module's helpers
     from async_rl.engine.openai_api import add_openai_routes  # it imports this module's helpers
+    from async_rl.engine.weight_routes import weight_router  # likewise
 
     app = FastAPI(title="async_rl embedded engine")
     install_error_handlers(app)
-    h = _App(engine, tokenizer, model_name)
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest, request: Request):
-        return await h.generate(req, request)
+    control = _Control(engine)
+    add_generate_route(app, engine, tokenizer, control.retracted)
 
     @app.post("/pause_generation")
     async def pause_generation(req: PauseRequest | None = None):
-        aborted = await engine.abort_all() if req is not None and req.mode == "abort" else 0
-        await engine.pause()
-        return {"success": True, "message": "generation paused", "num_aborted_requests": aborted}
+        return await control.pause((req or PauseRequest()).mode)
 
     @app.post("/continue_generation")
-    async def continue_generation():
+    async def continue_generation(req: ContinueRequest | None = None):
         await engine.resume()
-        return {"success": True, "message": "generation continued"}
+        return {"message": "Generation continued successfully.", "status": "ok", "success": True}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsRequest):
-        return await h.update_weights(req)
+        return await control.update_weights(req)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        return await control.flush_cache()
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest):
@@ -290,19 +288,22 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None) ->
         return {"success": await engine.abort(req.rid)}
 
     @app.get("/health")
+    @app.get("/health_generate")
     async def health():
         if not engine.alive:
             return error_response(503, "engine loop is not running")
         return {"status": "ok", "paused": engine.paused, "weight_version": engine.weight_version}
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info():
-        return h.model_info()
+        return model_info(engine, model_name)
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def get_server_info():
         cfg = engine.engine.config
-        return {**h.model_info(), "engine_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+        return {**model_info(engine, model_name), "engine_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
                 "stats": engine.stats()}
 
     @app.get("/metrics")
@@ -310,5 +311,5 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None) ->
         return engine.stats()
 
     add_openai_routes(app, engine, tokenizer=tokenizer, model_name=model_name)
-    return app
     app.include_router(weight_router(engine))  # SGLang's distributed weight-update routes
+    return app

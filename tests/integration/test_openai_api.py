@@ -61,7 +61,7 @@ def test_chat_returns_text_usage_logprobs_and_the_exact_tokens(srv):
     assert all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the top token
     meta = choice.model_extra["meta_info"]
-    assert [lp for lp, _ in meta["output_token_logprobs"]] == [c.logprob for c in content]
+    assert [e[0] for e in meta["output_token_logprobs"]] == [c.logprob for c in content]
     assert meta["output_token_versions"] == [srv.engine.weight_version] * 16
 
 

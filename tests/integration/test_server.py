@@ -62,13 +62,13 @@ def test_generate_round_trip_logprobs_match_a_fresh_forward(srv):
     assert len(ids) == meta["completion_tokens"] == 12 and meta["prompt_tokens"] == len(prompt)
     assert meta["finish_reason"] == {"type": "length", "length": 12}
     assert meta["output_token_versions"] == [version] * 12 and meta["weight_version"] == version
-    assert [t for _, t in meta["output_token_logprobs"]] == ids
+    assert [e[1] for e in meta["output_token_logprobs"]] == ids
     assert all(len(pos) == 3 for pos in meta["output_top_logprobs"])
     assert body["text"] == srv.tok.decode(ids, skip_special_tokens=True)
     with torch.no_grad():
         logits = srv.model(torch.tensor([prompt + ids])).logits[0]  # [T, V]
     expected = torch.log_softmax(logits / 0.7, dim=-1)[len(prompt) - 1:-1].gather(1, torch.tensor(ids)[:, None])
-    got = torch.tensor([lp for lp, _ in meta["output_token_logprobs"]])
+    got = torch.tensor([e[0] for e in meta["output_token_logprobs"]])
     torch.testing.assert_close(got, expected[:, 0], atol=1e-4, rtol=0)
 
     # the same seeded request, streamed: same tokens, chunks carry the output so far, then [DONE]
@@ -112,8 +112,8 @@ def test_pause_update_continue_with_requests_in_flight(srv, tmp_path):
     for ref, res in zip(reference, results):
         meta, versions = res["meta_info"], res["meta_info"]["output_token_versions"]
         assert res["output_ids"] == ref["output_ids"]  # same weights: the sequences continue exactly
-        got = torch.tensor([lp for lp, _ in meta["output_token_logprobs"]])
-        want = torch.tensor([lp for lp, _ in ref["meta_info"]["output_token_logprobs"]])
+        got = torch.tensor([e[0] for e in meta["output_token_logprobs"]])
+        want = torch.tensor([e[0] for e in ref["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         assert versions[0] == start_version and versions[-1] == start_version + 1 and versions == sorted(versions)
         assert meta["num_interruptions"] >= 1 and meta["weight_version"] == start_version + 1

@@ -1,0 +1,137 @@
+"""SGLang's native /generate shapes in one place: the body a client sends, the answer a server gives.
+
+The embedded server renders answers with these functions and the HTTP client parses them
+with the same ones, so one contract holds for the embedded engine and for SGLang itself:
+
+    request   {"input_ids", "rid", "sampling_params" (SGLang's names), "return_logprob", "top_logprobs_num"}
+    answer    {"text", "output_ids", "meta_info"}, or a list of those when sampling_params.n > 1
+    meta_info "id", "finish_reason" ({"type": "stop", "matched": …} | {"type": "length", "length": n} |
+              {"type": "abort", "message": …}), "prompt_tokens", "completion_tokens", "cached_tokens",
+              "weight_version", "num_retractions", and with return_logprob "output_token_logprobs"
+              (and "output_top_logprobs") as [logprob, token_id, text or null] entries;
+              "weight_versions": spans {"version", "start", "end"} over output tokens, [start, end),
+              as SGLang >= 0.5.19 reports them;
+              the embedded server adds "output_token_versions" (one int per token) and "num_interruptions".
+
+Policy versions are ints in this project; SGLang labels them with strings (its initial
+label is "default"), so a label that is not an integer means "unknown" to the parser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from async_rl.types import GenerationOutput, SamplingParams
+
+
+# --------------------------------------------------------------------------- request
+def generate_body(input_ids: list[int], params: SamplingParams, rid: str, *, stream: bool = False) -> dict[str, Any]:
+    """A /generate body both servers accept, asking for the log-prob of every sampled token."""
+    body: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "rid": rid, "return_logprob": True,
+                            "sampling_params": params.to_wire()}
+    if params.top_logprobs:
+        body["top_logprobs_num"] = params.top_logprobs
+    if stream:
+        body["stream"] = True
+    return body
+
+
+# --------------------------------------------------------------------------- answer (server side)
+def finish_reason_json(out: GenerationOutput, matched: int | str | None = None) -> dict[str, Any]:
+    if out.finish_reason == "length":
+        return {"type": "length", "length": len(out.output_ids)}
+    if out.finish_reason == "abort":
+        return {"type": "abort", "message": "request aborted", "status_code": 200, "err_type": None}
+    return {"type": out.finish_reason, "matched": matched}
+
+
+def logprob_entries(logprobs: list[float], ids: list[int],
+                    token_text: Callable[[int], str] | None = None) -> list[list[Any]]:
+    """SGLang's [logprob, token_id, text] entries; text is null unless `token_text` is given."""
+    return [[lp, t, None if token_text is None else token_text(t)] for lp, t in zip(logprobs, ids)]
+
+
+def version_spans(versions: list[int]) -> list[dict[str, Any]]:
+    """Per-token versions as SGLang's spans: [{"version": "3", "start": 0, "end": 5}, …], end exclusive."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+# --------------------------------------------------------------------------- answer (client side)
+def parse_version(label: Any) -> int | None:
+    """A version label as an int, or None when it is not one (SGLang's "default", null)."""
+    if isinstance(label, bool):
+        return None
+    if isinstance(label, int):
+        return label
+    if isinstance(label, str):
+        try:
+            return int(label.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def versions_from_spans(spans: Any, n: int) -> list[int] | None:
+    """One version per output token from SGLang's spans; None when they do not cover 0..n or a label
+    is not an integer."""
+    if not isinstance(spans, list):
+        return None
+    out: list[int] = []
+    for span in spans:
+        version = parse_version(span.get("version")) if isinstance(span, dict) else None
+        if version is None or span.get("start") != len(out) or not isinstance(span.get("end"), int):
+            return None
+        out += [version] * (min(span["end"], n) - len(out))
+    return out if len(out) == n else None
+
+
+def server_versions(meta: dict[str, Any], n: int) -> list[int] | None:
+    """The per-token versions a server reported (ours, or SGLang's spans), or None."""
+    ours = meta.get("output_token_versions")
+    if isinstance(ours, list) and len(ours) == n:
+        return [int(v) for v in ours]
+    return versions_from_spans(meta.get("weight_versions"), n)
+
+
+def output_from_response(rid: str, body: dict[str, Any], version: int | None = None,
+                         interruptions: int = 0) -> GenerationOutput:
+    """A /generate answer of either server as GenerationOutput. When the server reports no per-token
+    versions, every token gets `version` (else the answer's integer `weight_version`, else 0); when it
+    reports no `num_interruptions`, `interruptions` is used."""
+    meta = body["meta_info"]
+    ids = [int(t) for t in body["output_ids"]]
+    lps = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+    versions = server_versions(meta, len(ids))
+    if versions is None:
+        fallback = version if version is not None else parse_version(meta.get("weight_version"))
+        versions = [fallback or 0] * len(ids)
+    top = meta.get("output_top_logprobs")
+    reason = meta.get("finish_reason")
+    return GenerationOutput(
+        request_id=str(meta.get("id", rid)), prompt_len=int(meta.get("prompt_tokens", 0)), output_ids=ids,
+        output_logprobs=lps if len(lps) == len(ids) else [0.0] * len(ids), output_versions=versions,
+        finish_reason=reason.get("type", "abort") if isinstance(reason, dict) else str(reason or "abort"),
+        num_interruptions=int(meta.get("num_interruptions", interruptions)),
+        output_top_logprobs=None if top is None else [[(int(e[1]), float(e[0])) for e in pos or []] for pos in top],
+        prefix_cached_tokens=int(meta.get("cached_tokens") or 0),
+    )
+
+
+def joined_output(rid: str, prompt_len: int, pieces: list[GenerationOutput]) -> GenerationOutput:
+    """One output from the pieces of a request re-submitted after aborts: tokens, log-probs and versions
+    in order; the finish reason of the last piece."""
+    tops = [p.output_top_logprobs for p in pieces]
+    return GenerationOutput(
+        request_id=rid, prompt_len=prompt_len, output_ids=[t for p in pieces for t in p.output_ids],
+        output_logprobs=[x for p in pieces for x in p.output_logprobs],
+        output_versions=[v for p in pieces for v in p.output_versions], finish_reason=pieces[-1].finish_reason,
+        num_interruptions=sum(p.num_interruptions for p in pieces),
+        output_top_logprobs=None if any(t is None for t in tops) else [e for t in tops for e in t],
+        prefix_cached_tokens=pieces[0].prefix_cached_tokens)
