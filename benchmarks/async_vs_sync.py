@@ -3,7 +3,8 @@
 Runs `async-rl run` once per setting (mode=sync, and mode=async for each max_staleness
 given), on one config, and reports wall-clock per train step, trained trajectories per
 second, the reward reached and the staleness actually seen. Writes
-benchmarks/results/async_vs_sync.md (and .json) with the command that made it.
+benchmarks/results/async_vs_sync.md (and .json) with the command that made it, and the
+runs' learning curves (reward over steps and wall time, accuracy) as async_vs_sync.png.
 
     python benchmarks/async_vs_sync.py --config configs/debug_cpu.yaml --steps 20 --eta 1 4
 """
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from async_rl.report import compare_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,12 +73,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/async_vs_sync")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
-    results = []
+    results, run_dirs = [], {}
     settings = [("sync", 0)] + [("async", e) for e in args.eta]
     for mode, eta in settings:
         print(f"running {mode} eta={eta} ...", flush=True)
-        results.append(run_one(args.config, args.steps, mode, eta, ROOT / "runs" / f"bench_{mode}_{eta}",
-                               args.overrides))
+        run_dir = ROOT / "runs" / f"bench_{mode}_{eta}"
+        results.append(run_one(args.config, args.steps, mode, eta, run_dir, args.overrides))
+        run_dirs[results[-1]["setting"]] = run_dir
     text = table(results)
     print(text)
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
@@ -85,6 +89,8 @@ def main() -> None:
             "turns) and async gives each half. `trainer wait` is the time the trainer waited for a batch.")
     out.with_suffix(".md").write_text(f"# Async vs sync\n\nCommand: `{command}`\n\n{text}\n\n{note}\n")
     out.with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
+    curves = compare_runs(run_dirs, out.with_suffix(".png"), title="Async vs sync: learning curves")
+    print(f"curves: {curves}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from async_rl.report.plots import default_window, new_figure, plot_curves, save
 CHARTS = [  # (source, key, x, title, ylabel)
     ("train", "train/reward_mean", "step", "Train reward over train steps", "mean reward"),
     ("train", "train/reward_mean", "wall", "Train reward over wall time", "mean reward"),
-    ("eval", "eval/accuracy", "wall", "Greedy accuracy over wall time", "accuracy"),
+    ("eval", "eval/accuracy", "wall", "Greedy accuracy over wall time", "fraction correct"),
 ]
 
 
@@ -29,7 +29,7 @@ def compare_runs(runs: Mapping[str, str | Path | RunData], path: str | Path, *,
     fig, axes = new_figure(len(charts), title=title, width=5.6)
     for (source, key, x, chart_title, ylabel), ax in zip(charts, axes):
         curves = {label: run.series(source, key, x) for label, run in loaded.items() if run.has(source, key)}
-        window = default_window(min(len(ys) for _, ys in curves.values())) if source == "train" else 1
+        window = default_window(max(len(ys) for _, ys in curves.values())) if source == "train" else 1
         plot_curves(curves, ax=ax, title=chart_title, xlabel=XLABELS[x], ylabel=ylabel,
                     smooth_window=window, markers=source == "eval")
     return save(fig, path)

@@ -104,7 +104,8 @@ def stacked_bars(ax: Axes, xs: Sequence[float], layers: Mapping[str, Sequence[fl
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars fill the axes
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=min(len(layers), 4),
+              frameon=False)  # below the axes: bars fill them
 
 
 def no_data(ax: Axes, title: str, text: str) -> None:
