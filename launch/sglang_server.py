@@ -1,0 +1,135 @@
+"""`engine.backend=sglang`: one SGLang server per GPU (`python -m sglang.launch_server`), driven by our client.
+
+    proc, url = SERVER_LAUNCHERS["sglang"](cfg, index)   # = start_sglang
+
+Server `index` runs on GPU `index` (CUDA_VISIBLE_DEVICES), listens on `engine.host` and
+`engine.port + index` (a free port when engine.port is 0), serves `model.name` (a Hugging
+Face checkpoint directory or hub id), labels its weights version 0 (`--weight-version 0`,
+so per-token versions are integers from the start) and logs to
+`run_dir/logs/sglang<index>.log`. The launcher returns once /health answers 200; a server
+that exits first, or is not up within `timeout_s`, is an error quoting the end of its log.
+Without SGLang installed, or without a GPU for the server, it fails at once with an error
+naming `engine.backend=sglang`. SGLang servers started elsewhere are used through
+`rollout.server_addrs` instead (no launcher involved).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from async_rl.config import Config
+
+BUILT_IN_MODELS = ("tiny", "smollm2-135m")  # built in-process by async_rl.models: SGLang cannot load them
+
+
+class SGLangProcess:
+    """A launched SGLang server with the `multiprocessing.Process` surface `launch.procs.stop_all` uses;
+    stopping it signals its whole process group (SGLang runs scheduler and detokenizer children)."""
+
+    def __init__(self, popen: subprocess.Popen, log_path: Path):
+        self.popen, self.log_path = popen, log_path
+        self.pid = popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def check_sglang(cfg: Config, index: int) -> None:
+    """Fail early, naming the config key, where SGLang cannot run server `index`."""
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError("engine.backend=sglang: SGLang is not installed in this environment "
+                           "(pip install 'sglang[all]' on a CUDA machine), or start SGLang servers yourself "
+                           "and list their URLs in rollout.server_addrs")
+    if cfg.model.name in BUILT_IN_MODELS:
+        raise RuntimeError(f"engine.backend=sglang: model.name={cfg.model.name!r} is built in-process and SGLang "
+                           "cannot load it; give a Hugging Face checkpoint directory or hub id")
+    import torch
+
+    if torch.cuda.device_count() <= index:
+        raise RuntimeError(f"engine.backend=sglang: server {index} needs CUDA device {index}, but "
+                           f"{torch.cuda.device_count()} are visible; lower rollout.num_servers or use "
+                           "engine.backend=embedded")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def sglang_command(cfg: Config, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.name,
+           "--host", cfg.engine.host, "--port", str(port), "--weight-version", "0",
+           "--random-seed", str(cfg.seed)]
+    if cfg.model.dtype != "auto":
+        cmd += ["--dtype", cfg.model.dtype]
+    return cmd
+
+
+def _log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start_sglang(cfg: Config, index: int, timeout_s: float = 900.0) -> tuple[SGLangProcess, str]:
+    """Start SGLang server `index`; return it and its URL once /health answers 200."""
+    check_sglang(cfg, index)
+    port = cfg.engine.port + index if cfg.engine.port else _free_port(cfg.engine.host)
+    host = f"[{cfg.engine.host}]" if ":" in cfg.engine.host else cfg.engine.host
+    url = f"http://{host}:{port}"
+    log_path = Path(cfg.run_dir) / "logs" / f"sglang{index}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(index)}
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(sglang_command(cfg, port), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+    proc = SGLangProcess(popen, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.is_alive():
+            raise RuntimeError(f"engine.backend=sglang: server {index} exited with code {proc.exitcode} "
+                               f"(log: {log_path}):\n{_log_tail(log_path)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0, trust_env=False).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    proc.terminate()
+    proc.join(20)
+    proc.kill()
+    raise RuntimeError(f"engine.backend=sglang: server {index} not healthy within {timeout_s:.0f}s "
+                       f"(log: {log_path}):\n{_log_tail(log_path)}")

@@ -1,0 +1,324 @@
+"""The SGLang contract: one set of tests that drives the embedded server and a real SGLang server alike.
+
+Each contract test runs against every backend: `embedded` (always: a tiny model served for
+real on a free port) and `sglang` (`@pytest.mark.gpu`; it also needs SGLang importable and
+ASYNC_RL_SGLANG_MODEL naming a Hugging Face checkpoint directory, else it is skipped with
+the reason). Covered: the /generate answer's shape (finish_reason objects, [logprob,
+token_id, text] log-probs, weight_version, prompt/completion counts), the frontend's
+null-filled sampling_params, n > 1 as a list, and a weight update under each pause mode
+through `HttpGenerationClient`: `retract` (requests keep their tokens, per-token versions
+split at the update), `abort` (partial answers at once; the client re-submits and joins the
+pieces) and `in_place` (nothing steps while paused). On the embedded server the continued
+sequences must equal uninterrupted ones token for token; on SGLang (GPU numerics, a batch
+that changes) only their shape is checked. Tests after the contract are embedded-only:
+what the engine refuses (naming the field), penalties and the log-prob rule over HTTP,
+text trimming, /flush_cache.
+"""
+
+import asyncio
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from async_rl.config import EngineConfig, ModelConfig, load_config
+from async_rl.engine.client import HttpGenerationClient
+from async_rl.engine.sglang_api import generate_body
+from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
+from async_rl.types import SamplingParams
+from launch.serve import BackgroundServer
+
+TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "Hello, world!"]
+LONG = 160  # tokens per request in the interruption tests: long enough to be paused mid-way
+
+
+@dataclass
+class Target:
+    url: str
+    weights: str  # what /update_weights_from_disk loads: the weights being served, so sequences continue
+    prompts: list[list[int]]
+    exact: bool  # continued sequences equal uninterrupted ones token for token
+    version: int = 0
+    model: Any = None
+    extra: dict = field(default_factory=dict)
+
+
+def _sglang_skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang is not installed"
+    if not os.environ.get("ASYNC_RL_SGLANG_MODEL"):
+        return "set ASYNC_RL_SGLANG_MODEL to a Hugging Face checkpoint directory SGLang can serve"
+    try:
+        import sglang  # noqa: F401  (the server side needs the whole package, triton included)
+    except Exception as exc:
+        return f"sglang does not import here: {type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.fixture(scope="module", params=["embedded", pytest.param("sglang", marks=pytest.mark.gpu)])
+def target(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "embedded":
+        torch.set_num_threads(1)
+        tok = build_tiny_tokenizer(PRINTABLE)
+        model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
+        weights = tmp / "policy.safetensors"
+        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
+        bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
+        url = bg.start()
+        yield Target(url, str(weights), [tok.encode(t) for t in TEXTS], exact=True, model=model,
+                     extra={"tok": tok, "engine": bg.engine})
+        bg.stop()
+        return
+    reason = _sglang_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from transformers import AutoTokenizer
+
+    from launch.procs import stop_all
+    from launch.sglang_server import start_sglang
+
+    path = os.environ["ASYNC_RL_SGLANG_MODEL"]
+    cfg = load_config(None, [f"model.name={path}", f"run_dir={tmp}", "engine.port=0"])
+    proc, url = start_sglang(cfg, 0)
+    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        yield Target(url, path, [tok.encode(t) for t in TEXTS], exact=False)
+    finally:
+        stop_all([proc])
+
+
+def run(target: Target, body, pause_mode: str = "retract"):
+    async def main():
+        client = HttpGenerationClient(target.url, timeout_s=120, pause_mode=pause_mode)
+        try:
+            return await body(client)
+        finally:
+            await client.close()
+    return asyncio.run(main())
+
+
+def greedy(n: int = LONG) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def streamed_until(url: str, body: dict, tokens: int) -> tuple[asyncio.Event, asyncio.Task]:
+    """Stream `body`; the event is set once an answer chunk holds `tokens` output tokens (or it ended)."""
+    reached = asyncio.Event()
+
+    async def consume():
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+            async with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+                last = None
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:") and line.strip() != "data: [DONE]":
+                        last = json.loads(line[5:])
+                        if len(last["output_ids"]) >= tokens:
+                            reached.set()
+                reached.set()
+                return last
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(reached.wait(), 60)
+    return reached, task
+
+
+# --------------------------------------------------------------------------- the contract
+def test_generate_answer_has_sglangs_shape(target):
+    prompt = target.prompts[0]
+    with httpx.Client(base_url=target.url, timeout=60, trust_env=False) as http:
+        resp = http.post("/generate", json={**generate_body(prompt, greedy(8), "shape-0"),
+                                            "top_logprobs_num": 2, "return_text_in_logprobs": True})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+    meta = body["meta_info"]
+    assert len(body["output_ids"]) == meta["completion_tokens"] == 8 and isinstance(body["text"], str)
+    assert meta["id"] == "shape-0" and meta["prompt_tokens"] == len(prompt)
+    assert meta["finish_reason"]["type"] == "length" and meta["finish_reason"].get("length") == 8
+    assert "weight_version" in meta
+    entries = meta["output_token_logprobs"]
+    assert [e[1] for e in entries] == body["output_ids"] and all(len(e) == 3 for e in entries)
+    assert all(isinstance(e[0], float) and e[0] <= 0 and isinstance(e[2], str) for e in entries)
+    assert all(len(pos) == 2 and pos[0][0] >= pos[1][0] for pos in meta["output_top_logprobs"])
+    if target.model is not None:  # greedy: the reported log-prob is the top one of a fresh forward
+        with torch.no_grad():
+            logits = target.model(torch.tensor([prompt + body["output_ids"]])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits, -1).max(-1).values
+        torch.testing.assert_close(torch.tensor([e[0] for e in entries]), want, atol=1e-4, rtol=0)
+
+
+def test_frontend_style_null_params_and_n_samples(target):
+    # what SGLang's frontend (RuntimeEndpoint + sgl.gen) sends: every key, unset ones null or empty
+    frontend = {"max_new_tokens": 6, "min_new_tokens": None, "n": None, "stop": [], "stop_token_ids": [],
+                "stop_regex": [], "temperature": 1.0, "top_p": None, "top_k": None, "min_p": None,
+                "frequency_penalty": None, "presence_penalty": None, "ignore_eos": True, "regex": None,
+                "json_schema": None, "skip_special_tokens": True, "spaces_between_special_tokens": True}
+    with httpx.Client(base_url=target.url, timeout=60, trust_env=False) as http:
+        one = http.post("/generate", json={"input_ids": target.prompts[1], "sampling_params": frontend})
+        assert one.status_code == 200, one.text
+        assert len(one.json()["output_ids"]) == 6
+        many = http.post("/generate", json={"input_ids": target.prompts[1], "rid": "grp", "return_logprob": True,
+                                            "sampling_params": {**frontend, "n": 3, "sampling_seed": 7}})
+        assert many.status_code == 200, many.text
+    answers = many.json()
+    assert isinstance(answers, list) and [a["meta_info"]["id"] for a in answers] == ["grp_0", "grp_1", "grp_2"]
+    assert all(len(a["output_ids"]) == 6 == len(a["meta_info"]["output_token_logprobs"]) for a in answers)
+
+
+def _check_continued(target: Target, ref, outs, old: int, new: int) -> None:
+    for r, o in zip(ref, outs):
+        assert o.finish_reason == "length" and len(o.output_ids) == LONG
+        assert o.output_versions[0] == old and o.output_versions[-1] == new
+        assert o.output_versions == sorted(o.output_versions), "versions go forward along a response"
+        assert o.num_interruptions >= 1
+        if target.exact:  # same weights reloaded: the sequences continue exactly, with the same log-probs
+            assert o.output_ids == r.output_ids
+            assert max(abs(a - b) for a, b in zip(o.output_logprobs, r.output_logprobs)) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["retract", "abort", "in_place"])
+def test_weight_update_under_each_pause_mode(target, mode):
+    async def body(c):
+        ref = await asyncio.gather(*(c.generate(p, greedy()) for p in target.prompts))
+        old, new = target.version, target.version + 1
+        tasks = [asyncio.create_task(c.generate(p, greedy(), f"{mode}-{i}")) for i, p in enumerate(target.prompts)]
+        _, probe = await streamed_until(target.url, generate_body(target.prompts[0], greedy(), f"probe-{mode}"), 20)
+        retractions = c.retractions_total
+        await c.pause_generation()
+        if mode == "in_place":  # nothing steps while paused
+            await asyncio.sleep(0.3)
+            assert not any(t.done() for t in tasks)
+        update = await c.update_weights_from_disk(target.weights, new)
+        await c.continue_generation()
+        outs = await asyncio.gather(*tasks)
+        await probe
+        return ref, update, outs, retractions, c.retractions_total
+
+    ref, update, outs, before, after = run(target, body, pause_mode=mode)
+    target.version += 1
+    assert update["success"]
+    _check_continued(target, ref, outs, target.version - 1, target.version)
+    if mode == "retract":
+        assert after - before >= len(outs), "every request in flight was retracted once"
+
+
+def test_pause_in_abort_mode_answers_at_once_with_the_partial_output(target):
+    async def body(c):
+        pending = asyncio.create_task(c._request("POST", "/generate", generate_body(target.prompts[2], greedy(),
+                                                                                     "partial")))
+        _, probe = await streamed_until(target.url, generate_body(target.prompts[3], greedy(), "probe-ab"), 10)
+        await c.pause_generation("abort")
+        try:
+            answer = await asyncio.wait_for(pending, 30)
+            held = asyncio.create_task(c.generate(target.prompts[0], greedy(4), "held"))
+            await asyncio.sleep(0.3)
+            assert not held.done(), "new requests wait while paused"
+        finally:
+            await c.continue_generation()
+        await probe
+        return answer, await held
+
+    answer, held = run(target, body)
+    meta = answer["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and 0 < len(answer["output_ids"]) < LONG
+    assert len(meta["output_token_logprobs"]) == len(answer["output_ids"])
+    assert held.finish_reason == "length" and len(held.output_ids) == 4
+
+
+# --------------------------------------------------------------------------- embedded engine only
+@pytest.fixture(scope="module")
+def emb(tmp_path_factory):
+    torch.set_num_threads(1)
+    tok = build_tiny_tokenizer(PRINTABLE)
+    model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
+    bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
+    url = bg.start()
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        yield Target(url, "", [tok.encode(t) for t in TEXTS], exact=True, model=model,
+                     extra={"tok": tok, "http": http, "engine": bg.engine})
+    bg.stop()
+
+
+REFUSED = [
+    ({"sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
+    ({"sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
+    ({"sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
+    ({"sampling_params": {"ebnf": "root ::= 'a'"}}, "sampling_params.ebnf"),
+    ({"sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
+    ({"sampling_params": {"frequency_penalty": 3.0}}, "sampling_params.frequency_penalty"),
+    ({"sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "sampling_params.min_new_tokens"),
+    ({"sampling_params": {"n": 2}, "stream": True}, "sampling_params.n"),
+    ({"sampling_params": {"logit_bias": {"99999": 1.0}}}, "sampling_params.logit_bias"),
+    ({"sampling_params": {"sampling_seed": 1, "seed": 2}}, "sampling_params.sampling_seed"),
+    ({"image_data": "http://x/cat.png"}, "image_data"),
+    ({"lora_path": "adapter"}, "lora_path"),
+    ({"logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
+    ({"wat": 1}, "wat"),
+]
+
+
+@pytest.mark.parametrize("extra,field", REFUSED, ids=[f for _, f in REFUSED])
+def test_what_the_engine_cannot_honour_is_refused_naming_it(emb, extra, field):
+    body = {"input_ids": emb.prompts[0], **extra}
+    body["sampling_params"] = {"max_new_tokens": 2, **extra.get("sampling_params", {})}
+    resp = emb.extra["http"].post("/generate", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"].startswith(field), resp.text
+    ok = emb.extra["http"].post("/generate", json={"input_ids": emb.prompts[0], "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+def _forward_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def test_penalties_shape_the_draw_but_log_probs_stay_the_policys(emb):
+    prompt, http = emb.prompts[3], emb.extra["http"]
+    sp = {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True, "sampling_seed": 11}
+    plain = http.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": sp}).json()
+    pen = http.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        **sp, "presence_penalty": 2.0, "frequency_penalty": 2.0, "repetition_penalty": 2.0}}).json()
+    ids = pen["output_ids"]
+    assert len(set(ids)) > len(set(plain["output_ids"])), "penalties make the draw avoid repeats"
+    got = torch.tensor([e[0] for e in pen["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(got, _forward_logprobs(emb.model, prompt, ids, 0.8), atol=1e-4, rtol=0)
+    # min_new_tokens: the stop token (EOS) cannot come before it; logit_bias forces a token
+    eos = sorted(emb.extra["engine"].engine.eos_token_ids)[0]
+    forced = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0.0, "logit_bias": {str(eos): 100.0}, "min_new_tokens": 3}}).json()
+    assert forced["output_ids"][3] == eos and eos not in forced["output_ids"][:3] and len(forced["output_ids"]) == 4
+    assert forced["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+
+def test_text_trimming_prefill_only_and_flush_cache(emb):
+    http, tok, prompt = emb.extra["http"], emb.extra["tok"], emb.prompts[0]
+    free = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}).json()
+    stop = tok.decode(free["output_ids"][3:5])
+    cut = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}}).json()
+    kept = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop], "no_stop_trim": True}}).json()
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert cut["output_ids"] == kept["output_ids"] and kept["text"].endswith(stop) and not cut["text"].endswith(stop)
+    empty = http.post("/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 0}}).json()
+    assert empty["output_ids"] == [] and empty["meta_info"]["prompt_tokens"] == len(tok.encode("1+1="))
+    assert http.post("/flush_cache").status_code == 200
+
+    async def flush_while_running():
+        async with httpx.AsyncClient(base_url=emb.url, timeout=60, trust_env=False) as c:
+            _, probe = await streamed_until(emb.url, generate_body(prompt, greedy(), "flushed"), 5)
+            refused = await c.get("/flush_cache")
+            await c.post("/abort_request", json={"rid": "flushed"})
+            await probe
+            return refused.status_code
+
+    assert asyncio.run(flush_while_running()) == 400
