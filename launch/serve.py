@@ -36,7 +36,7 @@ from async_rl.engine.llm_engine import LLMEngine
 from async_rl.engine.server import build_app
 from async_rl.models import eos_token_ids, load_model, load_tokenizer
 from async_rl.utils.hardware import resolve_device
-from launch.common import effective_threads
+from launch.common import setup_cores
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,10 @@ def socket_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def build_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig) -> AsyncEngine:
+def build_engine(model: torch.nn.Module, tokenizer: Any, config: EngineConfig, cores: Any = None) -> AsyncEngine:
     """An AsyncEngine (not started) around `model`, ending responses at its EOS ids."""
-    return AsyncEngine(LLMEngine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer)))
+    return AsyncEngine(LLMEngine(model, config, tokenizer=tokenizer, eos_token_ids=eos_token_ids(model, tokenizer)),
+                       cores=cores)
 
 
 class BackgroundServer:
@@ -146,13 +147,13 @@ def _write_ready(ready_file: str, url: str) -> None:
 
 
 def serve_main(cfg: Config, *, ready_file: str | None = None) -> None:
-    torch.set_num_threads(effective_threads(cfg.engine.num_threads, cfg.mode))
+    cores = setup_cores(cfg, "engine")
     sock = bind_socket(cfg.engine.host, cfg.engine.port)  # fail early (port taken) before loading the model
     url = socket_url(sock)
     tokenizer = load_tokenizer(cfg.model)
     device = resolve_device(cfg.engine.device, "engine.device")
     model = load_model(cfg.model, seed=cfg.seed, tokenizer=tokenizer, device=device)
-    engine = build_engine(model, tokenizer, cfg.engine).start()
+    engine = build_engine(model, tokenizer, cfg.engine, cores).start()
     server = EngineServer(build_app(engine, model_name=cfg.model.name, tokenizer=tokenizer), engine)
 
     async def announce() -> None:

@@ -133,8 +133,10 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, cores: Any = None):
         self.engine = engine
+        self.cores = cores  # a utils.cores.CoreShare when this process shares its machine's cores
+        self._idle_s = 0.0  # seconds the loop waited with nothing to step
         self.weight_version = engine.policy_version
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future | None, loop | None)
         self._wake = threading.Event()
@@ -188,9 +190,15 @@ class AsyncEngine:
                     break
                 if self._paused or not self.engine.has_unfinished():
                     self._refresh_stats()
+                    if self.cores is not None:
+                        self.cores.idle()  # lend our cores while there is nothing to decode
+                    t0 = time.perf_counter()
                     self._wake.wait(1.0)
+                    self._idle_s += time.perf_counter() - t0
                     self._wake.clear()  # commands posted after this set it again
                     continue
+                if self.cores is not None:
+                    self.cores.busy()  # take our share, plus the cores of processes that wait
                 self._step()
         except BaseException:
             logger.exception("engine loop crashed")
@@ -366,6 +374,7 @@ class AsyncEngine:
         return {**self._snapshot,
                 "engine/weight_version": float(self.weight_version),
                 "engine/paused": float(self._paused),
+                "engine/idle_s_total": self._idle_s,
                 "engine/in_flight": float(len(self._streams)),
                 "engine/requests_total": float(c["requests"]),
                 "engine/finished_total": float(c["finished"]),
@@ -373,14 +382,6 @@ class AsyncEngine:
                 "engine/steps_total": float(c["steps"]),
                 "engine/weight_updates_total": float(c["weight_updates"]),
                 "engine/step_errors_total": float(c["step_errors"])}
-
-
-def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # that caller's event loop is closed: nobody is waiting any more
-        pass
-
 
     # ------------------------------------------------------------------ streamed weights (weight_sync)
     async def update_weights_from_staged(self, path: str, version: int) -> dict[str, float]:
@@ -411,6 +412,14 @@ def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
             return {"engine/update_read_s": read_s, **(await self._call(apply))}
         finally:
             state.clear()
+
+
+def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that caller's event loop is closed: nobody is waiting any more
+        pass
+
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
