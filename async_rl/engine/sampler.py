@@ -148,8 +148,11 @@ class Sampler:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
-        if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p) and not any(min_p):
-            return probs
+        if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+            if not any(min_p):
+                return probs
+            floor = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]  # no sort needed
+            return probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
         sorted_probs, order = probs.sort(dim=-1, descending=True)  # [R, V]
         ranks = torch.arange(vocab, device=probs.device)[None, :]
         drop = ranks >= torch.tensor(top_k, device=probs.device)[:, None]
