@@ -139,6 +139,8 @@ class GenerateRoute:
             return StreamingResponse(self.stream(handles[0], req, params, prompt), media_type="text/event-stream")
         outs = await finish_all_or_disconnect(handles, request)
         if outs is None:
+            for h in handles:
+                self.retracted.pop(h.request_id, None)
             return Response(status_code=499)
         results = [self.result(o, req, params, prompt) for o in outs]
         return results[0] if params.n == 1 else results
