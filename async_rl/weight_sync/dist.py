@@ -77,7 +77,7 @@ def open_group(backend: str, store: Any, group_name: str, rank: int, world_size:
 
 def _broadcast(group: Any, tensor: torch.Tensor, what: str, timeout_s: float) -> None:
     try:
-        group.broadcast([tensor], 0).wait()
+        group.broadcast(tensor, 0).wait()
     except RuntimeError as exc:
         raise WeightSyncError(f"{what}: broadcast failed or timed out (weight_sync.deadline_s={timeout_s:g}s): "
                               f"{str(exc).splitlines()[0][:200]}") from None

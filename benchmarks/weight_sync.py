@@ -1,0 +1,288 @@
+"""Seconds per weight update for the `disk`, `zmq` and `dist` transports, peak extra memory, interruption.
+
+The trainer side runs in a spawned process with a random fp32 state dict of the model's
+shapes and publishes a few versions through the transport's publisher. This process is
+the rollout side and the engine: a served embedded engine (fp32, same model) with four
+streaming requests in flight, and the transport's receiver loading each version into it
+through the server's routes, exactly as a run does:
+
+- disk: `DiskWeightPublisher` writes the file; the engine loads it (`/update_weights_from_disk`);
+- zmq:  buckets over a real trajectory queue (tcp loopback) into a staged file on this side,
+        then `/update_weights_from_disk` (what real SGLang serves too); `zmq+swap` loads the
+        same staged file with `AsyncEngine.update_weights_from_staged` (memory-mapped, no copy);
+- dist: a gloo group; the engine receives the buckets through `/update_weights_from_distributed`.
+
+Per update: seconds from the trainer starting to publish to the engine serving the new
+version; peak extra memory (RSS, sampled every 2 ms, above the level just before) of the
+trainer process and of this process (anonymous memory in brackets: page cache mapped by a
+reader is counted in RSS but not there); the largest gap between two tokens of an in-flight
+request during the update minus the median gap (the interruption: swap + KV recompute).
+
+    python benchmarks/weight_sync.py            # tiny + SmolLM2-135M shapes, about 2 min on 2 cores
+    python benchmarks/weight_sync.py --quick    # tiny only
+
+Writes benchmarks/results/weight_sync.md and .json with the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from async_rl.config import EngineConfig
+from async_rl.engine.client import HttpGenerationClient
+from async_rl.models import build_tiny_tokenizer
+from async_rl.transport.client import TrajectoryQueueClient
+from async_rl.transport.queue import TrajectoryQueueServer
+from async_rl.weight_sync.disk import DiskWeightPublisher
+from async_rl.weight_sync.dist import DistWeightPublisher, DistWeightReceiver
+from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
+from launch.serve import BackgroundServer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = {  # name -> LlamaConfig kwargs (SmolLM2-135M's real shapes; weights are random)
+    "tiny": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3),
+}
+
+
+def build(name: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**MODELS[name], max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class PeakMemory:
+    """Peak RSS and anonymous RSS of this process above the level at `start()`, sampled every 2 ms."""
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self.base = self.peak = (0, 0)
+
+    @staticmethod
+    def now() -> tuple[int, int]:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["RssAnon"].split()[0]) * 1024
+
+    def start(self) -> "PeakMemory":
+        self.base = self.peak = self.now()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss, anon = self.now()
+            self.peak = (max(self.peak[0], rss), max(self.peak[1], anon))
+            time.sleep(0.002)
+
+    def stop(self) -> tuple[float, float]:
+        self._stop.set()
+        self._thread.join()
+        return (self.peak[0] - self.base[0]) / 2**20, (self.peak[1] - self.base[1]) / 2**20
+
+
+# --------------------------------------------------------------------------- trainer process
+def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, tmp: str, out_q, in_q) -> None:
+    torch.set_num_threads(1)
+    state = build(model, seed=1).state_dict()
+    bucket = int(bucket_mb * 2**20)
+    queue = None
+    if transport == "disk":
+        pub = DiskWeightPublisher(Path(tmp) / "trainer", keep_last=2)
+    elif transport.startswith("zmq"):
+        queue = TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8)
+        out_q.put(("addr", queue.address))
+        queue.wait_for_producer(60)
+        pub = ZmqWeightPublisher(queue.broadcast, bucket, deadline_s=120)
+    else:
+        pub = DistWeightPublisher(out_q.put, num_servers=1, bucket_bytes=bucket, deadline_s=120)
+    for v in versions:
+        in_q.get(timeout=300)  # the rollout side is ready for the next version
+        mem = PeakMemory().start()
+        out_q.put(("start", v, time.time()))
+        msg = pub.publish(state, v)
+        if msg is not None:
+            (queue.broadcast if queue is not None else out_q.put)(msg)
+        out_q.put(("published", v, time.time(), *mem.stop()))
+    if queue is not None:
+        in_q.get(timeout=300)
+        queue.close()
+
+
+# --------------------------------------------------------------------------- rollout side + engine
+class Streams:
+    """Streaming requests in flight; records when each token arrived."""
+
+    def __init__(self, url: str, n: int, max_new_tokens: int):
+        self.times: list[list[float]] = [[] for _ in range(n)]
+        self.threads = [threading.Thread(target=self._one, args=(url, i, max_new_tokens), daemon=True)
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, url: str, i: int, max_new_tokens: int) -> None:
+        body = {"input_ids": [1 + i, 2, 3, 4], "stream": True,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}}
+        with httpx.Client(base_url=url, timeout=600, trust_env=False) as http:
+            with http.stream("POST", "/generate", json=body) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        self.times[i].append(time.time())
+
+    def interruption(self, t0: float, t1: float) -> float:
+        """Largest token gap overlapping [t0, t1] minus the median gap, over the requests."""
+        worst = 0.0
+        for ts in self.times:
+            gaps = [(b - a, a, b) for a, b in zip(ts, ts[1:])]
+            if len(gaps) < 3:
+                continue
+            median = statistics.median(g for g, _, _ in gaps)
+            during = [g for g, a, b in gaps if b >= t0 and a <= t1]
+            if during:
+                worst = max(worst, max(during) - median)
+        return worst
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(600)
+
+
+def run_case(transport: str, model: str, rounds: int, bucket_mb: float) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    tok = build_tiny_tokenizer("0123456789+= ")
+    served = build(model, seed=0)
+    bg = BackgroundServer.for_model(served, tok, EngineConfig(kv_cache_mb=64, block_size=16), model_name=model)
+    url = bg.start()
+    out_q, in_q = ctx.Queue(), ctx.Queue()
+    versions = list(range(1, rounds + 1))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = ctx.Process(target=trainer, args=(transport, model, versions, bucket_mb, tmp, out_q, in_q), daemon=True)
+        proc.start()
+        try:
+            rows = asyncio.run(_rollout(transport, model, url, bg, versions, tmp, out_q, in_q))
+        finally:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+            bg.stop()
+    return rows
+
+
+async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> list[dict]:
+    client = HttpGenerationClient(url)
+    get = lambda: asyncio.to_thread(out_q.get, True, 300)  # noqa: E731
+    queue = receiver = None
+    if transport.startswith("zmq"):
+        _, addr = await get()
+        queue = TrajectoryQueueClient(addr)
+        receiver = ZmqWeightReceiver(Path(tmp) / "rollout", keep_last=2).attach(queue)
+        await queue.connect(60)
+        controls = queue.controls()
+    elif transport == "dist":
+        receiver = DistWeightReceiver(deadline_s=120)
+    rows = []
+    streams = Streams(url, 4, max_new_tokens=900)
+    await asyncio.sleep(1.0)  # the requests are decoding
+    for v in versions:
+        mem = PeakMemory().start()
+        in_q.put("go")
+        _, _, t_start = await get()
+        if transport == "disk":
+            msg = await get()
+            _, _, t_pub, *tmem = await get()
+            await client.update_weights_from_disk(msg["path"], v)
+        elif transport.startswith("zmq"):
+            msg = await controls.__anext__()
+            path = await receiver.prepare(msg)
+            if transport == "zmq":
+                await client.update_weights_from_disk(path, v)
+            else:
+                await bg.engine.update_weights_from_staged(path, v)
+            _, _, t_pub, *tmem = await get()
+        else:
+            msg = await get()
+            await receiver.load(client, await receiver.prepare(msg), v)
+            _, _, t_pub, *tmem = await get()
+        t_done = time.time()
+        rss, anon = mem.stop()
+        assert bg.engine.weight_version == v
+        rows.append({"transport": transport, "model": model, "version": v, "update_s": t_done - t_start,
+                     "publish_s": t_pub - t_start, "trainer_peak_MB": tmem[0], "trainer_peak_anon_MB": tmem[1],
+                     "rollout_peak_MB": rss, "rollout_peak_anon_MB": anon, "t0": t_start, "t1": t_done})
+        await asyncio.sleep(0.5)
+    in_q.put("stop")
+    await asyncio.to_thread(httpx.post, url + "/abort_request", json={"abort_all": True}, trust_env=False)
+    await asyncio.to_thread(streams.join)
+    for row in rows:
+        row["interruption_s"] = streams.interruption(row.pop("t0"), row.pop("t1"))
+    await client.close()
+    if queue is not None:
+        await queue.close()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | transport | MB | s / update | trainer publish s | trainer peak extra MB (anon) | "
+             "rollout+engine peak extra MB (anon) | interruption s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['transport']} | {r['MB']:.1f} | {r['update_s']:.2f} | {r['publish_s']:.2f} | "
+                     f"{r['trainer_peak_MB']:.0f} ({r['trainer_peak_anon_MB']:.0f}) | {r['rollout_peak_MB']:.0f} "
+                     f"({r['rollout_peak_anon_MB']:.0f}) | {r['interruption_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the tiny model only")
+    ap.add_argument("--rounds", type=int, default=2, help="updates per case (the median is reported)")
+    ap.add_argument("--bucket-mb", type=float, default=128.0, help="weight_sync.bucket_mb")
+    ap.add_argument("--transports", default="disk,zmq,zmq+swap,dist")
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // 2))
+    rows = []
+    load_before = os.getloadavg()[0]
+    for model in ["tiny"] + ([] if args.quick else ["smollm2-135m"]):
+        mb = sum(p.numel() * p.element_size() for p in build(model, 0).parameters()) / 2**20
+        for transport in args.transports.split(","):
+            runs = run_case(transport, model, args.rounds, args.bucket_mb)
+            best = sorted(runs, key=lambda r: r["update_s"])[len(runs) // 2]
+            rows.append({**best, "MB": mb, "all_update_s": [r["update_s"] for r in runs]})
+            print(table(rows[-1:]), flush=True)
+    text = table(rows)
+    cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    cpu = torch.backends.cpu.get_cpu_capability()
+    load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    meta = {"command": cmd, "cpus": os.cpu_count(), "cpu_capability": cpu, "torch_threads": threads,
+            "bucket_mb": args.bucket_mb, "load_avg": load}
+    (RESULTS / "weight_sync.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    (RESULTS / "weight_sync.md").write_text(
+        "# Weight sync: seconds per update, peak extra memory, interruption\n\n"
+        f"`{cmd}` on {os.cpu_count()} cores ({cpu}), torch threads {threads} (half to the engine), "
+        f"bucket {args.bucket_mb:g} MB, load average {load}; fp32 weights; the median of {args.rounds} updates. "
+        "See the script's docstring for what each column measures.\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

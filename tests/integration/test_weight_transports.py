@@ -1,0 +1,212 @@
+"""Weight transports end to end: trainer-side publisher -> rollout-side receiver -> real engine servers.
+
+zmq: a version streams as buckets over a real trajectory queue (ROUTER/DEALER on loopback)
+into a staged file that a served engine loads: its weights are then bit-identical to the
+trainer's. dist: a gloo group between the publisher (rank 0) and two served engines,
+driven through SGLang's routes: both get bit-identical weights, a second version reuses
+the group, a server that never joins fails the update at the deadline with a clear error
+(the old weights stay), and the next version forms a fresh group that every server joins
+again. A trainer written for SGLang (one broadcast per tensor, `load_format` None) works
+too, and a version going backwards is refused.
+"""
+
+import asyncio
+import queue as thread_queue
+import threading
+import time
+
+import pytest
+import torch
+
+from async_rl.config import EngineConfig, ModelConfig
+from async_rl.engine.client import HttpGenerationClient
+from async_rl.models import build_tiny_tokenizer, load_model
+from async_rl.transport.client import TrajectoryQueueClient
+from async_rl.transport.queue import TrajectoryQueueServer
+from async_rl.types import SamplingParams
+from async_rl.weight_sync.dist import DistWeightPublisher, DistWeightReceiver, open_group
+from async_rl.weight_sync.staging import WeightSyncError
+from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
+from launch.serve import BackgroundServer
+
+ALPHABET = "0123456789+= "
+
+
+def _model(seed: int):
+    tok = build_tiny_tokenizer(ALPHABET)
+    return load_model(ModelConfig(dtype="float32", tiny_alphabet=ALPHABET), seed=seed, tokenizer=tok), tok
+
+
+def _trained(seed: int) -> dict[str, torch.Tensor]:
+    model, _ = _model(0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model.state_dict()
+
+
+def _assert_identical(engine, state: dict[str, torch.Tensor]) -> None:
+    served = engine.engine.model.state_dict()
+    assert set(served) == set(state)
+    for name, t in state.items():
+        assert torch.equal(served[name], t), name
+
+
+@pytest.fixture(scope="module")
+def servers():
+    torch.set_num_threads(1)
+    bgs = []
+    for seed in (1, 2):
+        model, tok = _model(seed)
+        bgs.append(BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=4, block_size=8),
+                                              model_name="tiny"))
+    urls = [bg.start() for bg in bgs]
+    yield list(zip(urls, [bg.engine for bg in bgs]))
+    for bg in bgs:
+        bg.stop()
+
+
+def test_zmq_buckets_over_the_trajectory_queue_into_a_served_engine(servers, tmp_path):
+    url, engine = servers[0]
+    state = _trained(seed=10)
+    trainer_queue = TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8, heartbeat_s=0.5, peer_timeout_s=10)
+
+    async def rollout_side():
+        client = TrajectoryQueueClient(trainer_queue.address, heartbeat_s=0.5, peer_timeout_s=10)
+        receiver = ZmqWeightReceiver(tmp_path / "rollout", keep_last=2).attach(client)
+        http = HttpGenerationClient(url)
+        await client.connect(10)
+        version = engine.weight_version + 1
+        publisher = ZmqWeightPublisher(trainer_queue.broadcast, bucket_bytes=10_000, deadline_s=30)
+
+        def publish():  # the trainer: stream, then broadcast the commit
+            trainer_queue.broadcast(publisher.publish(state, version))
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        controls = client.controls()
+        commit = await asyncio.wait_for(controls.__anext__(), 30)  # buckets never reach the control stream
+        thread.join(30)
+        assert commit["kind"] == "weights" and commit["num_buckets"] == publisher.stats["sync/buckets"] > 10
+        path = await receiver.prepare(commit)
+        await receiver.load(http, path, version)
+        out = await http.generate([3, 4, 5], SamplingParams(max_new_tokens=4, temperature=0.0))
+        await http.close()
+        await client.close()
+        return version, out
+
+    try:
+        version, out = asyncio.run(rollout_side())
+    finally:
+        trainer_queue.close()
+    _assert_identical(engine, state)
+    assert engine.weight_version == version and out.output_versions == [version] * 4
+
+
+# --------------------------------------------------------------------------- dist
+def _dist_update(publisher, receiver, urls, state, version):
+    """Run the trainer's publish in a thread and the rollout side's prepare/load per server; return the
+    publisher's exception (or None) and the per-server results."""
+    announced: thread_queue.Queue = thread_queue.Queue()
+    publisher.send = announced.put
+    errors: list[BaseException] = []
+
+    def trainer():
+        try:
+            publisher.publish(state, version)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+
+    async def rollout():
+        msg = await asyncio.to_thread(announced.get, True, 30)
+        prepared = await receiver.prepare(msg)
+        clients = [HttpGenerationClient(u) for u in urls]
+        try:
+            return await asyncio.gather(*(receiver.load(c, prepared, version) for c in clients),
+                                        return_exceptions=True)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    results = asyncio.run(rollout())
+    thread.join(60)
+    assert not thread.is_alive()
+    return (errors[0] if errors else None), results
+
+
+def test_dist_gloo_delivers_bit_identical_weights_to_two_servers(servers):
+    (url1, e1), (url2, e2) = servers
+    publisher = DistWeightPublisher(None, num_servers=2, bucket_bytes=20_000, deadline_s=20)
+    receiver = DistWeightReceiver(deadline_s=20)
+    for seed in (20, 21):  # the second version reuses the group formed by the first
+        version = max(e1.weight_version, e2.weight_version) + 1
+        state = _trained(seed)
+        error, results = _dist_update(publisher, receiver, [url1, url2], state, version)
+        assert error is None and results == [None, None]
+        for engine in (e1, e2):
+            _assert_identical(engine, state)
+            assert engine.weight_version == version
+    assert publisher.generation == 1 and publisher.stats["sync/buckets"] > 5
+
+
+def test_dist_missing_server_fails_at_the_deadline_then_the_group_reforms(servers):
+    (url1, e1), (url2, e2) = servers
+    receiver = DistWeightReceiver(deadline_s=3)
+    publisher = DistWeightPublisher(None, num_servers=2, bucket_bytes=1 << 20, deadline_s=3)
+    before = {k: v.clone() for k, v in e1.engine.model.state_dict().items()}
+    version = max(e1.weight_version, e2.weight_version) + 1
+    t0 = time.monotonic()
+    error, results = _dist_update(publisher, receiver, [url1], _trained(30), version)  # server 2 is "fenced"
+    assert time.monotonic() - t0 < 30  # nothing hangs
+    assert isinstance(error, WeightSyncError) and "weight_sync.deadline_s=3s" in str(error)
+    assert isinstance(results[0], ValueError) and "could not join" in str(results[0])
+    _assert_identical(e1, before)  # the old weights stay
+    # the server comes back: the next version forms a fresh group and both servers join it
+    state = _trained(31)
+    receiver.deadline_s = publisher.deadline_s = 20
+    error, results = _dist_update(publisher, receiver, [url1, url2], state, version + 1)
+    assert error is None and results == [None, None] and publisher.generation == 2
+    _assert_identical(e1, state)
+    _assert_identical(e2, state)
+
+
+def test_sglang_style_trainer_per_tensor_broadcast_and_bad_requests(servers):
+    url, engine = servers[0]
+    state = _trained(40)
+    names = list(state)[:-1] if "lm_head.weight" not in state else [n for n in state if n != "lm_head.weight"]
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    version = engine.weight_version + 1
+
+    async def drive():
+        http = HttpGenerationClient(url)
+        group_box = {}
+        maker = threading.Thread(target=lambda: group_box.update(g=open_group("gloo", store, "sg", 0, 2, 20)))
+        maker.start()
+        await http.init_weights_update_group("127.0.0.1", store.port, 1, 2, "sg", "gloo", timeout_s=20)
+        maker.join(20)
+        group = group_box["g"]
+
+        def broadcast_each():
+            for n in names:
+                group.broadcast(state[n].contiguous(), 0).wait()
+
+        sender = threading.Thread(target=broadcast_each)
+        sender.start()
+        body = await http.update_weights_from_distributed(
+            names, [str(state[n].dtype) for n in names], [list(state[n].shape) for n in names], "sg", version)
+        sender.join(20)
+        assert body["weight_version"] == version
+        with pytest.raises(ValueError, match="weight_version: 1 is not newer"):
+            await http.update_weights_from_distributed(names[:1], ["float32"], [[1]], "sg", 1)
+        with pytest.raises(ValueError, match=r"dtypes\[0\]: dtype 'complex64' cannot travel"):
+            await http.update_weights_from_distributed(names[:1], ["complex64"], [[1]], "sg", version + 1)
+        with pytest.raises(ValueError, match="group_name: 'nope' is not initialised"):
+            await http.update_weights_from_distributed(names[:1], ["float32"], [[1]], "nope", version + 1)
+        assert (await http.destroy_weights_update_group("sg"))["success"]
+        await http.close()
+
+    asyncio.run(drive())
+    _assert_identical(engine, state)
