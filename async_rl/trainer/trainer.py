@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,6 +72,7 @@ class PPOTrainer:
         floor = self.policy_version - self.max_staleness
         kept = [t for t in trajs if t.oldest_version() >= floor]
         stats = self._batch_stats(trajs, kept)
+        stats.update(self._version_stats(trajs))
         if kept:
             stats.update(self._update(kept))
         else:
@@ -110,6 +112,20 @@ class PPOTrainer:
             "train/num_trajectories": float(len(kept)),
             "rollout/interrupted": float(sum(1 for t in trajs if t.num_interruptions > 0)),
         }
+
+    def _version_stats(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        """How old each arriving trajectory is (lag of its oldest sampled token, a histogram over
+        0..max_staleness and beyond) and how many policy versions sampled its tokens."""
+        hist = [0] * (self.max_staleness + 2)  # the last bin counts anything older than the bound
+        mixed = []
+        for t in trajs:
+            sampled = t.versions[t.loss_mask.astype(bool)]
+            if len(sampled):
+                hist[min(self.policy_version - int(sampled.min()), self.max_staleness + 1)] += 1
+                mixed.append(len(np.unique(sampled)))
+        return {"train/staleness_hist": hist,
+                "train/versions_per_traj_mean": float(np.mean(mixed)) if mixed else 0.0,
+                "train/versions_per_traj_max": float(max(mixed)) if mixed else 0.0}
 
     def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
         adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs],

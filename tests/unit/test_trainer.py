@@ -183,6 +183,10 @@ def test_stale_trajectories_are_dropped_and_staleness_measured(tok):
     assert stats["train/staleness_max"] == 2  # token of version 3; the masked tool token (version -1) ignored
     assert stats["train/staleness_mean"] == pytest.approx((2 + 1 + 0 + 0 + 0 + 1) / 6)
     assert stats["train/num_tokens"] == 6 and trainer.policy_version == 6
+    # oldest sampled-token lags of the arriving trajectories: 2, 3 (too old), 0, 4 (too old), 1 -> bins 0..2, >2
+    assert stats["train/staleness_hist"] == [1, 1, 1, 2]
+    assert stats["train/versions_per_traj_mean"] == pytest.approx((3 + 2 + 1 + 1 + 1) / 5)
+    assert stats["train/versions_per_traj_max"] == 3
 
 
 def test_all_stale_skips_the_update_but_reports(tok):
