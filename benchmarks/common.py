@@ -1,0 +1,53 @@
+"""What every benchmark records next to its table: the command that made it and the machine it ran on."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """CPU kind (torch's capability: AVX2 / AVX512), cores, torch threads, bf16 probe, GPU if any."""
+    import torch
+
+    from async_rl.utils.hardware import cpu_bf16_speedup, cpu_capability
+
+    info = {"cpu_capability": cpu_capability(), "cores": len(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(), "cpu_bf16_gemm_speedup": round(cpu_bf16_speedup(), 2),
+            "processor": _cpu_model(), "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def command() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def write_results(name: str, markdown: str, data: dict) -> Path:
+    """benchmarks/results/NAME.md (table, command, machine) and NAME.json; returns the .md path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    m = machine()
+    header = (f"Command: `{command()}`\n\nMachine: {m['processor']}, CPU capability {m['cpu_capability']}, "
+              f"{m['cores']} cores, bf16 GEMM {m['cpu_bf16_gemm_speedup']}x fp32"
+              + (f", GPU {m['gpu']}" if "gpu" in m else "") + "\n\n")
+    out = RESULTS / f"{name}.md"
+    out.write_text(f"# {name}\n\n{header}{markdown}\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps({"command": command(), "machine": m, **data}, indent=2))
+    return out
