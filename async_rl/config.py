@@ -92,6 +92,7 @@ class TrainerConfig:
     behav_weight_cap: float = 5.0  # cap on the behaviour importance weight pi_prox / pi_behav
     minibatches: int = 1  # optimizer steps per train step (each on 1/minibatches of the batch)
     micro_batch_tokens: int = 4096  # token budget of one forward/backward
+    loss: str = "decoupled_ppo"  # policy loss from trainer/loss.py LOSSES: decoupled_ppo | no_behav_correction (ablation)
     adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
     checkpoint_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
     compute_dtype: str = "auto"  # auto | float32 | bfloat16 (autocast; master weights and optimizer stay fp32)

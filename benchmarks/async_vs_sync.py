@@ -1,96 +1,135 @@
-"""Async vs sync throughput of the same system on the same cores.
+"""Async vs sync on the same machine, the same run and the same number of trained samples.
 
-Runs `async-rl run` once per setting (mode=sync, and mode=async for each max_staleness
-given), on one config, and reports wall-clock per train step, trained trajectories per
-second, the reward reached and the staleness actually seen. Writes
-benchmarks/results/async_vs_sync.md (and .json) with the command that made it, and the
-runs' learning curves (reward over steps and wall time, accuracy) as async_vs_sync.png.
+Two set-ups, each with mode=sync and async at several `max_staleness` values:
+  - pools:  generation and trainer pinned to disjoint cores in both modes (`cores.engine`,
+            `cores.trainer`), as separate GPU pools are: sync leaves one pool idle while the
+            other works, async overlaps them (the ceiling is 2x on two pools);
+  - shared: no pinning. Sync gives every phase all cores; async splits them and, with
+            `cores.share`, a side that waits lends its cores to the other.
 
-    python benchmarks/async_vs_sync.py --config configs/debug_cpu.yaml --steps 20 --eta 1 4
+Throughput is measured in steady state (the first `--warmup` train steps, which include
+start-up and the first evaluation, are left out). Reported per run: wall time, trained
+tokens/s, generated tokens/s, trainer idle %, engine idle %, interrupted fraction, the
+staleness of the trajectories trained (histogram), reward and held-out accuracy after
+the same number of trained samples. Writes benchmarks/results/async_vs_sync.{md,json,png}.
+
+    python benchmarks/async_vs_sync.py --quick          # under 5 minutes
+    python benchmarks/async_vs_sync.py                  # configs/bench_cpu.yaml, 30 steps, eta 0 1 2 4 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from async_rl.report import compare_runs
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_results  # noqa: E402
+
+SETUPS = {"pools": ["cores.engine=[0]", "cores.trainer=[1]", "cores.share=false"], "shared": ["cores.share=true"]}
 
 
-def run_one(config: str, steps: int, mode: str, eta: int, run_dir: Path, extra: list[str]) -> dict:
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def run_one(config: str, steps: int, setup: str, mode: str, eta: int, run_dir: Path, warmup: int,
+            extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "launch.cli", "run", "--config", config, f"mode={mode}", f"max_staleness={eta}",
-           f"total_steps={steps}", f"run_dir={run_dir}", "log.progress=false", *extra]
+           f"total_steps={steps}", f"run_dir={run_dir}", "log.progress=false", *SETUPS[setup], *extra]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    total_wall = time.perf_counter() - t0
     if res.returncode != 0:
-        raise SystemExit(f"{mode} eta={eta} failed:\n{res.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = {e["when"]: e for e in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())}
-    trained = sum(r["train/num_trajectories"] for r in rows)
-    train_wall = sum(r["timing/step_s"] for r in rows)
-    k = max(1, len(rows) // 4)
+        raise SystemExit(f"{setup} {mode} eta={eta} failed:\n{res.stderr[-2000:]}")
+    return measure(run_dir, warmup) | {"setup": setup, "setting": mode + (f" eta={eta}" if mode == "async" else ""),
+                                       "total_wall_s": total_wall}
+
+
+def measure(run_dir: Path, warmup: int) -> dict:
+    rows = _jsonl(run_dir / "metrics.jsonl")
+    if len(rows) <= warmup + 1:
+        raise SystemExit(f"{run_dir}: {len(rows)} steps is too few for a warm-up of {warmup}")
+    window = rows[warmup + 1:]  # steady state: from the end of step `warmup` to the end of the run
+    wall = rows[-1]["time"] - rows[warmup]["time"]
+    trained_tokens = sum(r["train/num_tokens"] for r in window)
+    arrived = [r["train/num_trajectories"] + r["train/dropped_stale"] for r in window]
+    generated = sum(n * r["train/response_len_mean"] for n, r in zip(arrived, window))
+    hist: list[int] = []
+    for r in window:
+        h = r.get("train/staleness_hist") or []
+        hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
+    evals = {e.get("when"): e for e in _jsonl(run_dir / "eval.jsonl")}
+    pool = [r for r in _jsonl(run_dir / "rollout_metrics.jsonl") if "engine/idle_s_total" in r]
+    inside = [r for r in pool if rows[warmup]["time"] <= r["time"] <= rows[-1]["time"]]
+    engine_idle = ((inside[-1]["engine/idle_s_total"] - inside[0]["engine/idle_s_total"])
+                   / max(1e-9, inside[-1]["time"] - inside[0]["time"])) if len(inside) >= 2 else None
     return {
-        "setting": f"{mode}" + (f" eta={eta}" if mode == "async" else ""),
-        "wall_s": wall, "train_loop_s": train_wall, "step_s": train_wall / len(rows),
-        "traj_per_s": trained / train_wall,
-        "reward_first": sum(r["train/reward_mean"] for r in rows[:k]) / k,
-        "reward_last": sum(r["train/reward_mean"] for r in rows[-k:]) / k,
-        "staleness_max": max(r["train/staleness_max"] for r in rows),
-        "interrupted": sum(r["rollout/interrupted"] for r in rows),
-        "wait_s_mean": sum(r["timing/wait_s"] for r in rows) / len(rows),
-        "acc_before": evals.get("before", {}).get("eval/accuracy"),
+        "steps_measured": len(window), "wall_s": wall, "trained_tokens_per_s": trained_tokens / wall,
+        "generated_tokens_per_s": generated / wall, "trained_traj": sum(r["train/num_trajectories"] for r in rows),
+        "trainer_idle_frac": sum(r["timing/wait_s"] for r in window) / wall,
+        "engine_idle_frac": engine_idle,
+        "interrupted_frac": sum(r["rollout/interrupted"] for r in window) / max(1.0, sum(arrived)),
+        "staleness_hist": hist, "dropped_stale": sum(r["train/dropped_stale"] for r in rows),
+        "reward_last": sum(r["train/reward_mean"] for r in rows[-5:]) / len(rows[-5:]),
         "acc_after": evals.get("after", {}).get("eval/accuracy"),
     }
 
 
 def table(results: list[dict]) -> str:
-    base = next((r for r in results if r["setting"] == "sync"), results[0])
-    head = ("| setting | s/step | traj/s | speed-up | trainer wait s/step | reward first→last | "
-            "acc before→after | max staleness | interrupted |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| set-up | setting | steady wall s | trained tok/s | vs sync | generated tok/s | trainer idle | "
+            "engine idle | interrupted | staleness trained (lag 0,1,..) | reward last 5 | acc after |")
+    lines = [head, "|" + "---|" * 12]
     for r in results:
-        acc = (f"{r['acc_before']:.2f}→{r['acc_after']:.2f}" if r["acc_after"] is not None else "n/a")
-        lines.append(f"| {r['setting']} | {r['step_s']:.2f} | {r['traj_per_s']:.1f} | "
-                     f"{r['traj_per_s'] / base['traj_per_s']:.2f}× | {r['wait_s_mean']:.2f} | "
-                     f"{r['reward_first']:.2f}→{r['reward_last']:.2f} | {acc} | {r['staleness_max']} | "
-                     f"{r['interrupted']} |")
+        base = next(b for b in results if b["setup"] == r["setup"] and b["setting"] == "sync")
+        eng = "n/a" if r["engine_idle_frac"] is None else f"{100 * r['engine_idle_frac']:.0f}%"
+        acc = "n/a" if r["acc_after"] is None else f"{r['acc_after']:.2f}"
+        lines.append(
+            f"| {r['setup']} | {r['setting']} | {r['wall_s']:.1f} | {r['trained_tokens_per_s']:.0f} | "
+            f"{r['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}x | {r['generated_tokens_per_s']:.0f} | "
+            f"{100 * r['trainer_idle_frac']:.0f}% | {eng} | {100 * r['interrupted_frac']:.0f}% | "
+            f"{r['staleness_hist']} | {r['reward_last']:.2f} | {acc} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/debug_cpu.yaml")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 4], help="max_staleness values for async runs")
-    ap.add_argument("--out", default="benchmarks/results/async_vs_sync")
+    ap.add_argument("--config", default="configs/bench_cpu.yaml")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3, help="train steps left out of the throughput window")
+    ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8], help="max_staleness of the async runs")
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    ap.add_argument("--quick", action="store_true", help="12 steps, eta 0 2 8: under 5 minutes")
+    ap.add_argument("--name", default="async_vs_sync", help="results file name under benchmarks/results/")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
-    results, run_dirs = [], {}
-    settings = [("sync", 0)] + [("async", e) for e in args.eta]
-    for mode, eta in settings:
-        print(f"running {mode} eta={eta} ...", flush=True)
-        run_dir = ROOT / "runs" / f"bench_{mode}_{eta}"
-        results.append(run_one(args.config, args.steps, mode, eta, run_dir, args.overrides))
-        run_dirs[results[-1]["setting"]] = run_dir
+    if args.quick:
+        args.steps, args.eta, args.warmup = 12, [0, 2, 8], 2
+    results, curves = [], {}
+    for setup in args.setups:
+        for mode, eta in [("sync", 0)] + [("async", e) for e in args.eta]:
+            run_dir = ROOT / "runs" / "bench" / f"{setup}_{mode}_{eta}"
+            print(f"{setup}: {mode} eta={eta} ...", flush=True)
+            results.append(run_one(args.config, args.steps, setup, mode, eta, run_dir, args.warmup, args.overrides))
+            curves[f"{setup} {results[-1]['setting']}"] = run_dir
     text = table(results)
     print(text)
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    note = ("Threads: with engine/trainer num_threads 0, sync gives each process every core (they take "
-            "turns) and async gives each half. `trainer wait` is the time the trainer waited for a batch.")
-    out.with_suffix(".md").write_text(f"# Async vs sync\n\nCommand: `{command}`\n\n{text}\n\n{note}\n")
-    out.with_suffix(".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
-    curves = compare_runs(run_dirs, out.with_suffix(".png"), title="Async vs sync: learning curves")
-    print(f"curves: {curves}")
+    summary = {s: max(r["trained_tokens_per_s"] for r in results if r["setup"] == s and r["setting"] != "sync")
+               / next(r["trained_tokens_per_s"] for r in results if r["setup"] == s and r["setting"] == "sync")
+               for s in args.setups}
+    note = ("\n\nBest async / sync trained tokens/s: " + ", ".join(f"{s} {v:.2f}x" for s, v in summary.items())
+            + f". Steady state: steps {args.warmup + 1}..{args.steps - 1} of each run; every run trains the same "
+            "number of trajectories (total_steps x batch_size). Idle: share of the steady window the trainer "
+            "waited for a batch / the engine had nothing to decode.")
+    write_results(args.name, text + note, {"results": results, "speedup": summary, "steps": args.steps})
+    from async_rl.report import compare_runs
+
+    compare_runs(curves, ROOT / "benchmarks" / "results" / f"{args.name}.png", title="Async vs sync: learning curves")
 
 
 if __name__ == "__main__":

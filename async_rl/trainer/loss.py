@@ -72,13 +72,23 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, beha
     return loss, stats
 
 
+def no_behav_correction_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+                             advantages: torch.Tensor, loss_mask: torch.Tensor, *, eps_clip: float,
+                             behav_weight_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The decoupled loss with the behaviour-policy correction switched off (w_t = 1): stale tokens
+    count as if the current weights had sampled them. An ablation, to show what the correction buys."""
+    loss, stats = decoupled_ppo_loss(logprobs, prox_logprobs, prox_logprobs, advantages, loss_mask,
+                                     eps_clip=eps_clip, behav_weight_cap=behav_weight_cap)
+    return loss, stats
+
+
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-# Variants by name; each takes the arguments of `decoupled_ppo_loss`.
-LOSSES: dict[str, LossFn] = {"decoupled_ppo": decoupled_ppo_loss}
+# Variants by name (`trainer.loss`); each takes the arguments of `decoupled_ppo_loss`.
+LOSSES: dict[str, LossFn] = {"decoupled_ppo": decoupled_ppo_loss, "no_behav_correction": no_behav_correction_loss}
 
 
 def get_loss(name: str) -> LossFn:
     if name not in LOSSES:
-        raise ValueError(f"loss: unknown loss {name!r} (available: {', '.join(sorted(LOSSES))})")
+        raise ValueError(f"trainer.loss: unknown loss {name!r} (available: {', '.join(sorted(LOSSES))})")
     return LOSSES[name]

@@ -45,7 +45,7 @@ class PPOTrainer:
     """Decoupled PPO on an HF causal LM; `policy_version` is the version of the current weights."""
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, temperature: float, max_staleness: int,
-                 seed: int, policy_version: int = 0, loss: str = "decoupled_ppo"):
+                 seed: int, policy_version: int = 0, loss: str | None = None):
         if max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
         if cfg.minibatches < 1:
@@ -57,7 +57,7 @@ class PPOTrainer:
         self.temperature = temperature
         self.max_staleness = max_staleness
         self.policy_version = policy_version
-        self.loss_fn = get_loss(loss)
+        self.loss_fn = get_loss(loss or cfg.loss)
         self.device = next(model.parameters()).device
         self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.device).dtype  # autocast dtype
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -149,3 +149,19 @@ def test_bad_arguments_and_registry():
     assert get_loss("decoupled_ppo") is decoupled_ppo_loss and "decoupled_ppo" in LOSSES
     with pytest.raises(ValueError, match="available: decoupled_ppo"):
         get_loss("nope")
+
+
+def test_no_behav_correction_ignores_the_behaviour_policy():
+    from async_rl.trainer.loss import get_loss
+
+    torch.manual_seed(0)
+    lp = torch.randn(2, 5, requires_grad=True)
+    prox = lp.detach() + 0.1 * torch.randn(2, 5)
+    adv, mask = torch.randn(2, 5), torch.ones(2, 5)
+    kw = {"eps_clip": 0.2, "behav_weight_cap": 5.0}
+    off, _ = get_loss("no_behav_correction")(lp, prox, prox - 1.0, adv, mask, **kw)  # far-off behaviour policy
+    same, _ = get_loss("decoupled_ppo")(lp, prox, prox, adv, mask, **kw)  # behaviour == proximal
+    corrected, _ = get_loss("decoupled_ppo")(lp, prox, prox - 1.0, adv, mask, **kw)
+    assert torch.allclose(off, same) and not torch.allclose(off, corrected)
+    with pytest.raises(ValueError, match="trainer.loss"):
+        get_loss("nope")
