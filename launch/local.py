@@ -8,6 +8,7 @@ from pathlib import Path
 
 from async_rl.config import Config, save_config
 from async_rl.utils.metrics import read_jsonl
+from async_rl.trainer.backends import get_backend
 from launch.common import with_free_port
 from launch.procs import child_error, spawn, stop_all, with_overrides
 from launch.rollout_proc import rollout_main
@@ -60,6 +61,7 @@ def summary(cfg: Config) -> list[str]:
 
 
 def run_local(cfg: Config) -> list[str]:
+    get_backend(cfg.trainer.backend).check(cfg.trainer)  # every trainer rank runs here: fail before starting any
     cfg = with_overrides(cfg, transport={"addr": with_free_port(cfg.transport.addr)})
     save_config(cfg, cfg.run_dir)
     for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl"):

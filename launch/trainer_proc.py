@@ -1,8 +1,18 @@
-"""The trainer process: queue -> PPO step -> publish weights -> metrics, for `total_steps` steps."""
+"""The trainer process: queue -> PPO step -> publish weights -> metrics, for `total_steps` steps.
+
+    trainer_main(cfg)                                                    # local launch, `async-rl train`
+    trainer_rank_main(cfg, rank, world_size, master_addr, master_port)   # a launcher that starts every rank
+
+The trainer backend (`trainer.backend`) may run `trainer.world_size` ranks. Rank 0 owns
+the queue, metrics, checkpoints and publishing; ranks 1..N-1 only train, following rank 0
+in lock step (launch/trainer_ranks.py). `trainer_main` is rank 0 and starts ranks 1..N-1
+as its own child processes; a launcher that places ranks itself (Ray) calls
+`trainer_rank_main` once per rank with the same master address and port, where rank 0
+will host the rendezvous store, and `local_rank` the device index on that rank's node.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -11,15 +21,11 @@ import torch
 from tqdm import tqdm
 
 from async_rl.config import Config
-from async_rl.models import load_model
-from async_rl.trainer.checkpoint import save_checkpoint
-from async_rl.trainer.trainer import PPOTrainer
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
-from async_rl.utils.hardware import resolve_device
-from launch.common import effective_threads
+from launch.trainer_ranks import follower_main, lead, local_followers, rank_threads
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +81,29 @@ def publish_weights(publisher: WeightPublisher, queue: TrajectoryQueueServer, st
 
 
 def trainer_main(cfg: Config) -> None:
-    torch.set_num_threads(effective_threads(cfg.trainer.num_threads, cfg.mode))
+    """Rank 0 on this machine; ranks 1..trainer.world_size-1 run as its child processes."""
+    with local_followers(cfg) as (master_addr, master_port, check_followers):
+        trainer_rank_main(cfg, 0, cfg.trainer.world_size, master_addr, master_port,
+                          check_followers=check_followers)
+
+
+def trainer_rank_main(cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
+                      local_rank: int | None = None, check_followers=None) -> None:
+    """One trainer rank; returns when rank 0 has trained `total_steps` steps (or raises)."""
+    if rank > 0:
+        follower_main(cfg, rank, world_size, master_addr, master_port, local_rank)
+        return
     torch.manual_seed(cfg.seed)
+    torch.set_num_threads(rank_threads(cfg, world_size))
     run_dir = Path(cfg.run_dir)
-    # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
-    device = resolve_device(cfg.trainer.device, "trainer.device")
-    model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
-    eta = 0 if cfg.mode == "sync" else cfg.max_staleness
-    trainer = PPOTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature, max_staleness=eta, seed=cfg.seed)
+    trainer = lead(cfg, world_size, master_addr, master_port, local_rank, check_followers)
+    try:
+        _lead_run(cfg, trainer, run_dir)
+    finally:
+        trainer.close()
+
+
+def _lead_run(cfg: Config, trainer, run_dir: Path) -> None:
     metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
     queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
                                   heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s)
@@ -108,10 +129,10 @@ def trainer_main(cfg: Config) -> None:
             bar.update(1)
             every = cfg.trainer.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.total_steps:
-                save_checkpoint(str(run_dir / "checkpoints" / f"step_{step + 1:06d}"), model, trainer.optimizer,
-                                step + 1, {"policy_version": trainer.policy_version})
-        save_checkpoint(str(run_dir / "checkpoints" / f"step_{cfg.total_steps:06d}"), model, trainer.optimizer,
-                        cfg.total_steps, {"policy_version": trainer.policy_version})
+                trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{step + 1:06d}"), step + 1,
+                                        {"policy_version": trainer.policy_version})
+        trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{cfg.total_steps:06d}"), cfg.total_steps,
+                                {"policy_version": trainer.policy_version})
         queue.broadcast({"kind": "stop", "final_version": trainer.policy_version})
         _wait_producers_gone(queue, timeout=cfg.rollout.connect_timeout_s + 120)
     finally:

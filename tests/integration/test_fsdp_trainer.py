@@ -3,13 +3,19 @@
 Real processes, a real TCPStore and gloo process group, a tiny Llama built from the seed.
 The batch of trajectories is fixed here (varied lengths, tool tokens, several micro-batches,
 a micro-batch of one row so one rank runs an empty share), and both backends use the
-same config, so after 3 steps losses and parameters must agree to 1e-5.
+same config, so after 3 steps losses and parameters must agree to 1e-5. The learning rate
+is small (1e-4) because Adam's first steps move a weight by about lr * sign(grad): where a
+gradient is rounding noise, float32 summation order alone moves it by up to ~lr/10.
+
+Also: the world-size checks, and a follower rank that leaves when rank 0 dies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
+import time
 import traceback
 from pathlib import Path
 
@@ -17,11 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from async_rl.config import Config, ModelConfig, TrainerConfig, load_config
+from async_rl.config import Config, ModelConfig, TrainerConfig
 from async_rl.trainer.backends import RankInfo, get_backend
 from async_rl.trainer.checkpoint import load_checkpoint
 from async_rl.types import Trajectory
 from launch.common import free_port
+from launch.trainer_ranks import follower_main, lead
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -150,3 +157,64 @@ def test_fsdp_two_processes_match_single_process(fsdp_runs, case):
     assert meta == {"step": STEPS, "policy_version": STEPS}
     for name, t in ref_trainer.model.state_dict().items():
         assert torch.allclose(t, ref_weights[name], atol=TOL, rtol=0), name
+
+
+# ---------------------------------------------------------------------------------------- bad input
+def test_world_size_beyond_this_machine_is_one_clear_error():
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=rf"^trainer.world_size: {cores + 1} CPU ranks need at least {cores + 1} cores"):
+        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=cores + 1, device="cpu"))
+    with pytest.raises(ValueError, match=r"^trainer.world_size: the single backend runs one process, got 2"):
+        get_backend("single").check(TrainerConfig(world_size=2, device="cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^trainer.device: 'cuda' asked for, but this machine has no CUDA"):
+            get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=2, device="cuda"))
+    with pytest.raises(ValueError, match=r"^trainer.backend: must be one of single\|fsdp, got 'megatron'"):
+        get_backend("megatron")
+
+
+# ---------------------------------------------------------------------------------------- lock step
+def _leader_then_vanish(cfg: Config, port: int, ready: str) -> None:
+    """Rank 0 that trains one step, then sits until it is killed."""
+    torch.set_num_threads(1)
+    trainer = lead(cfg, 2, "127.0.0.1", port)
+    stats = trainer.train_step(_groups(0))
+    assert trainer.state_dict()  # rank 0 gets the full weights; the follower joined the gather
+    Path(ready).write_text(str(stats["train/loss"]))
+    time.sleep(600)
+
+
+def _follower(cfg: Config, port: int, errors) -> None:
+    try:
+        follower_main(cfg, 1, 2, "127.0.0.1", port)
+    except BaseException as exc:
+        errors.put(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def test_follower_leaves_when_rank0_dies(tmp_path):
+    cfg = _cfg(micro_batch_tokens=4096)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, backend="fsdp", world_size=2))
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port, ready = free_port(), tmp_path / "ready"
+    leader = ctx.Process(target=_leader_then_vanish, args=(cfg, port, str(ready)))
+    follower = ctx.Process(target=_follower, args=(cfg, port, errors))
+    leader.start()
+    follower.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and leader.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "rank 0 did not finish its step"
+        time.sleep(0.5)
+        assert follower.is_alive()  # waiting for the next command: rank 0 may wait long for rollout data
+        leader.kill()
+        follower.join(20)
+        assert not follower.is_alive(), "the follower hung after rank 0 died"
+        assert follower.exitcode != 0
+        assert "LeaderLost: trainer rank 0 went away" in errors.get(timeout=5)
+    finally:
+        for p in (leader, follower):
+            if p.is_alive():
+                p.kill()

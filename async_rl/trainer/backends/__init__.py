@@ -54,8 +54,9 @@ class TrainerBackend(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    check: Callable[[TrainerConfig], None]  # raise ValueError naming the key if the machine cannot run it
+    check: Callable[[TrainerConfig], None]  # raise ValueError naming the key if this machine cannot run it
     build: Callable[[Config, RankInfo], TrainerBackend]
+    distributed: bool  # ranks join a process group (they need RankInfo.store, even for one rank)
 
 
 def train_staleness(cfg: Config) -> int:
@@ -66,13 +67,13 @@ def train_staleness(cfg: Config) -> int:
 def _single() -> BackendSpec:
     from async_rl.trainer.backends import single
 
-    return BackendSpec(check=single.check, build=single.build)
+    return BackendSpec(check=single.check, build=single.build, distributed=False)
 
 
 def _fsdp() -> BackendSpec:
     from async_rl.trainer.backends import fsdp
 
-    return BackendSpec(check=fsdp.check, build=fsdp.build)
+    return BackendSpec(check=fsdp.check, build=fsdp.build, distributed=True)
 
 
 # imported lazily: the fsdp backend pulls in torch.distributed only when chosen
