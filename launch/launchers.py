@@ -11,5 +11,6 @@ from collections.abc import Callable
 
 from async_rl.config import Config
 from launch.local import run_local
+from launch.ray_launcher import run_ray
 
-LAUNCHERS: dict[str, Callable[[Config], list[str]]] = {"local": run_local}
+LAUNCHERS: dict[str, Callable[[Config], list[str]]] = {"local": run_local, "ray": run_ray}

@@ -1,0 +1,280 @@
+"""`launcher=ray`: the run's processes in one placement group on a Ray cluster.
+
+    async-rl run --config configs/debug_cpu.yaml launcher=ray                          # local cluster, started here
+    async-rl run --config configs/debug_cpu.yaml launcher=ray ray.address=HOST:6379    # a running cluster, joined
+
+The placement group has one bundle per generation server (`ray.num_cpus_per_server`,
+`ray.num_gpus_per_server`), one per trainer rank (`ray.num_*_per_trainer`) and one for the
+rollout controller. In each bundle a `ProcessHost` actor (launch/ray_host.py) runs the
+existing entry point as its own child process, so a process behaves exactly as under
+`launcher=local`: its log is `run_dir/logs/<name>.log` and a failure leaves a one-line
+`<name>.error`. The driver polls the hosts; the first failure stops everything and becomes
+one `error:` line naming the process and its log. Ctrl-C and SIGTERM tear everything down;
+a cluster started here is shut down, a joined one is left running. A placement group that
+cannot be placed is an error naming the resources, at once on a cluster started here and
+after `ray.placement_timeout_s` on a joined one (it may be waiting for nodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from async_rl.config import Config, ConfigError, save_config, to_yaml
+from launch.local import RunFailed, summary
+from launch.procs import one_line, with_overrides
+from launch.ray_host import ProcessHost, Slot, cannot_place, plan, plain_resources, total
+
+logger = logging.getLogger(__name__)
+
+LOCAL_OBJECT_STORE_BYTES = 128 * 2**20  # only configs and addresses go through Ray's object store
+POLL_S = 0.5
+STOP_GRACE_S = 20.0
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("launcher: `ray` needs Ray installed: .venv/bin/pip install -c constraints.txt -e '.[ray]' "
+                          "(or use launcher=local)") from None
+    return ray
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _on_sigterm(handler: Any) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming the key, when nothing listens at a HOST:PORT `ray.address`."""
+    host, _, port = address.rpartition(":")
+    if address in ("auto", "local") or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"ray.address: no Ray cluster answers at {address} ({exc.strerror or exc}); "
+                              "start one with `RAY_AUTH_MODE=disabled ray start --head`") from None
+
+
+def _connect(ray: Any, cfg: Config, slots: list[Slot]) -> bool:
+    """Join `ray.address`, or start a local cluster sized to this machine. True when started here."""
+    quiet = {"log_to_driver": False, "logging_level": logging.ERROR, "namespace": "async_rl"}
+    address = cfg.ray.address
+    if address:
+        _probe(address)
+        try:
+            ray.init(address=address, **quiet)
+        except Exception as exc:  # Ray raises many kinds; the user needs the key and the address
+            raise ConnectionError(f"ray.address: cannot join the Ray cluster at {address} ({one_line(exc)})") from None
+        return False
+    import torch
+
+    have = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+    need = total(slots)
+    if any(need.get(k, 0.0) > v for k, v in have.items()):  # this cluster cannot grow: say so before starting it
+        raise RuntimeError(cannot_place(slots, "this machine", have))
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address="local", num_cpus=int(have["CPU"]), num_gpus=int(have["GPU"]), include_dashboard=False,
+             object_store_memory=LOCAL_OBJECT_STORE_BYTES, **quiet)
+    return True
+
+
+class RayRun:
+    """One run on a connected Ray cluster: place, start, supervise, tear down."""
+
+    def __init__(self, ray: Any, cfg: Config, slots: list[Slot]):
+        self.ray, self.cfg, self.slots = ray, cfg, slots
+        self.pg: Any = None
+        self.hosts: dict[str, Any] = {}
+        self.servers: list[str] = [s.name for s in slots if s.role == "server"]
+        self.trainers: list[str] = [s.name for s in slots if s.role == "trainer"]
+        self.dead_servers: set[str] = set()
+
+    # ------------------------------------------------------------------ placement
+    def place(self, started_here: bool) -> None:
+        from ray.util.placement_group import placement_group
+
+        self.pg = placement_group([s.bundle for s in self.slots], strategy="PACK", name=f"async_rl:{os.getpid()}")
+        timeout = self.cfg.ray.placement_timeout_s
+        ready, _ = self.ray.wait([self.pg.ready()], timeout=timeout)
+        if not ready:
+            where = "the local Ray cluster" if started_here else f"the Ray cluster at {self.cfg.ray.address}"
+            free = plain_resources(self.ray.available_resources())
+            raise RuntimeError(cannot_place(self.slots, where, free, f"not placed within ray.placement_timeout_s="
+                                                                     f"{timeout:g}s"))
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor = self.ray.remote(ProcessHost)
+        for index, slot in enumerate(self.slots):
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
+            self.hosts[slot.name] = actor.options(
+                num_cpus=slot.bundle.get("CPU", 0), num_gpus=slot.bundle.get("GPU", 0),
+                memory=slot.bundle.get("memory"), max_concurrency=4, scheduling_strategy=strategy,
+                name=f"{slot.name}:{os.getpid()}").remote(slot.name, self.cfg.run_dir)
+        ips = self._get_all({n: h.node_ip.remote() for n, h in self.hosts.items()})
+        self.node_ip = ips
+        self.multi_node = len(set(ips.values())) > 1
+        logger.info("placed %d bundles on %d node(s): %s", len(self.slots), len(set(ips.values())), ips)
+
+    def _host(self, configured: str, name: str) -> str:
+        """An address others can reach: the node's IP instead of loopback when the run spans nodes."""
+        return self.node_ip[name] if self.multi_node and configured in _LOOPBACK else configured
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Servers and trainer ranks start together; the rollout side once every server serves."""
+        cfg = self.cfg
+        servers = self._start_servers()
+        addr = cfg.transport.addr
+        if addr.startswith("tcp://") and addr.endswith(":0"):
+            first = self.trainers[0]
+            port = self.ray.get(self.hosts[first].free_port.remote())
+            addr = f"tcp://{self._host(addr[len('tcp://'):-2], first)}:{port}"
+        trainer_cfg = _threads(with_overrides(cfg, transport={"addr": addr}), "trainer", cfg.ray.num_cpus_per_trainer)
+        for name, (entry, kwargs) in zip(self.trainers, self._trainer_entries()):
+            self.ray.get(self.hosts[name].start.remote(entry, to_yaml(trainer_cfg), kwargs))
+        urls = list(self._get_all(servers).values()) if servers else list(cfg.rollout.server_addrs)
+        rollout_cfg = with_overrides(cfg, transport={"addr": addr}, rollout={"server_addrs": urls})
+        self.ray.get(self.hosts["rollout"].start.remote("launch.rollout_proc:rollout_main", to_yaml(rollout_cfg), {}))
+        logger.info("trainer on %s, generation servers %s", addr, urls)
+
+    def _start_servers(self) -> dict[str, Any]:
+        """Ask each server host to start its server; the calls' refs by server name (they answer URLs)."""
+        refs = {}
+        for index, name in enumerate(self.servers):
+            port = self.cfg.engine.port + index if self.cfg.engine.port else 0  # as on one machine: port, port+1, ...
+            scfg = with_overrides(self.cfg, engine={"host": self._host(self.cfg.engine.host, name), "port": port})
+            scfg = _threads(scfg, "engine", self.cfg.ray.num_cpus_per_server)
+            refs[name] = self.hosts[name].start_server.remote(to_yaml(scfg), index)
+        return refs
+
+    def _trainer_entries(self) -> list[tuple[str, dict]]:
+        world = self.cfg.trainer.world_size
+        if world == 1:
+            return [("launch.trainer_proc:trainer_main", {})]
+        import launch.trainer_proc as trainer_proc
+
+        if not hasattr(trainer_proc, "trainer_rank_main"):
+            raise ConfigError(f"trainer.world_size: this build's trainer runs one rank (no "
+                              f"launch.trainer_proc.trainer_rank_main); use trainer.world_size=1, got {world}")
+        rank0 = self.trainers[0]
+        master_addr = self._host("127.0.0.1", rank0)
+        master_port = self.ray.get(self.hosts[rank0].free_port.remote())
+        return [("launch.trainer_proc:trainer_rank_main",
+                 {"rank": r, "world_size": world, "master_addr": master_addr, "master_port": master_port})
+                for r in range(world)]
+
+    def _get_all(self, refs: dict[str, Any]) -> dict[str, Any]:
+        """Wait for every named call, watching the running processes meanwhile; fail with the first error."""
+        out: dict[str, Any] = {}
+        pending = {ref: name for name, ref in refs.items()}
+        while pending:
+            done, _ = self.ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
+            for ref in done:
+                name = pending.pop(ref)
+                try:
+                    out[name] = self.ray.get(ref)
+                except self.ray.exceptions.RayTaskError as exc:
+                    why = one_line(exc.cause or exc)  # a server launcher's errors already name the server
+                    raise RunFailed(why if why.startswith(f"{name}:") else f"{name}: {why}") from None
+                except self.ray.exceptions.RayActorError:
+                    raise RunFailed(self._actor_died(name)) from None
+            self._check()
+        return {name: out[name] for name in refs}
+
+    # ------------------------------------------------------------------ supervision
+    def _actor_died(self, name: str) -> str:
+        return f"{name}: its Ray actor died (node lost or killed) (log: {Path(self.cfg.run_dir) / 'logs' / name}.log)"
+
+    def _check(self) -> dict[str, int | None]:
+        """Exit codes of the started processes (None = running); raise RunFailed on a failure."""
+        codes: dict[str, int | None] = {}
+        for name, host in self.hosts.items():
+            try:
+                code, why = self.ray.get(host.poll.remote(), timeout=60)
+            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                raise RunFailed(self._actor_died(name)) from None
+            codes[name] = code
+            if code is None or (code == 0 and name not in self.servers):
+                continue
+            if name in self.servers and len(self.dead_servers | {name}) < len(self.servers):
+                if name not in self.dead_servers:  # the rollout side's pool takes it out of rotation
+                    logger.warning("generation server %s stopped: %s", name, why)
+                    self.dead_servers.add(name)
+                continue
+            raise RunFailed(why)
+        return codes
+
+    def supervise(self) -> None:
+        """Until the trainer ranks and the rollout side have exited 0; the servers are stopped after."""
+        finish_s = self.cfg.rollout.connect_timeout_s + 300
+        done_at: float | None = None
+        while True:
+            codes = self._check()
+            if all(codes[n] == 0 for n in self.trainers):
+                if codes["rollout"] == 0:
+                    return
+                done_at = done_at or time.monotonic()
+                if time.monotonic() - done_at > finish_s:
+                    logger.warning("rollout did not finish %.0fs after the trainer; stopping it", finish_s)
+                    return
+            time.sleep(POLL_S)
+
+    def teardown(self) -> None:
+        """Stop the processes (rollout first, servers last), end the actors, free the bundles."""
+        order = ["rollout", *self.trainers, *self.servers]
+        for group in (order[:1], order[1:1 + len(self.trainers)], order[1 + len(self.trainers):]):
+            refs = [self.hosts[n].stop.remote(STOP_GRACE_S) for n in group if n in self.hosts]
+            if refs:
+                self.ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S + 10)
+        for host in self.hosts.values():
+            with contextlib.suppress(Exception):
+                self.ray.kill(host)
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+
+
+def _threads(cfg: Config, section: str, bundle_cpus: float) -> Config:
+    """A process uses the CPUs of its bundle unless `<section>.num_threads` says otherwise."""
+    if getattr(cfg, section).num_threads > 0:
+        return cfg
+    return with_overrides(cfg, **{section: {"num_threads": max(1, int(bundle_cpus))}})
+
+
+def run_ray(cfg: Config) -> list[str]:
+    ray = _import_ray()
+    slots = plan(cfg)
+    save_config(cfg, cfg.run_dir)
+    for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl"):
+        (Path(cfg.run_dir) / stale).unlink(missing_ok=True)
+    previous = signal.getsignal(signal.SIGTERM)
+    started_here = _connect(ray, cfg, slots)
+    run = RayRun(ray, cfg, slots)
+    try:
+        _on_sigterm(_raise_interrupt)  # SIGTERM tears down like Ctrl-C; set after ray.init, which installs its own
+        run.place(started_here)
+        run.start()
+        run.supervise()
+    finally:
+        run.teardown()
+        ray.shutdown()  # stops a cluster started here; only disconnects from a joined one
+        _on_sigterm(previous)
+    where = "a local Ray cluster (started and stopped here)" if started_here else f"the Ray cluster at {cfg.ray.address}"
+    return [f"ray: {len(slots)} bundles placed on {where}", *summary(cfg)]
