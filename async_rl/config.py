@@ -77,6 +77,7 @@ class RolloutConfig:
     health_interval_s: float = 5.0  # how often each server's health is checked; a failing one leaves rotation
     connect_timeout_s: float = 60.0  # how long to wait for servers and the trainer to answer
     eval_max_new_tokens: int = 16  # response length limit of the greedy evaluation
+    eval_every: int = 0  # also evaluate every N policy versions, beside training (0 = only before and after)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from async_rl.agent import build_agent_loop
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
 from async_rl.rollout.failover import PooledGenerationClient
+from async_rl.rollout.periodic_eval import PeriodicEval
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.rollout.staleness import StalenessGate
 from async_rl.rollout.weight_update import update_servers
@@ -62,6 +63,11 @@ class RolloutController:
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
         self._seed = cfg.seed
+        self.periodic_eval: PeriodicEval | None = None
+        if cfg.rollout.eval_every > 0:
+            self.periodic_eval = PeriodicEval(
+                cfg.rollout.eval_every, cfg.run_dir, PooledGenerationClient(self.pool, sticky=False), tokenizer, task,
+                task.eval_samples(), cfg.rollout.eval_max_new_tokens, cfg.rollout.max_concurrent)
 
     # ------------------------------------------------------------------ one group
     async def _one(self, sample: Sample, group_id: str, index: int):
@@ -111,6 +117,8 @@ class RolloutController:
         version = int(msg["version"])
         stats = await update_servers(self.pool, self.weights, msg, self.cfg.weight_sync.deadline_s)
         self.gate.set_version(version)
+        if self.periodic_eval is not None:
+            self.periodic_eval.maybe_start(version)
         stats.update({"rollout/groups_pushed": self.groups_pushed, "rollout/trajectories_pushed": self.trajectories_pushed,
                       "rollout/interrupted": self.interrupted, "rollout/in_flight": sum(self.pool.in_flight),
                       **self.gate.stats(), **self.pool.stats()})
@@ -154,6 +162,8 @@ class RolloutController:
     async def run(self, seed: int) -> None:
         """Produce groups until the trainer says stop (or the control channel closes)."""
         self._seed = seed
+        if self.periodic_eval is not None:
+            self.periodic_eval.started = time.perf_counter()  # the training clock starts with generation
         samples = self.task.train_samples(seed)
         if self._own_pool:
             self.pool.start()
@@ -170,6 +180,8 @@ class RolloutController:
         await asyncio.gather(admit, control, *pending, return_exceptions=True)
         if pending:
             logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
+        if self.periodic_eval is not None:
+            await self.periodic_eval.close()
         if self._own_pool:
             await self.pool.close(close_clients=False)
         if self._error is not None:

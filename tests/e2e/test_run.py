@@ -26,7 +26,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_run_completes_within_staleness_bound(tmp_path, mode, eta):
     steps = 6
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"mode={mode}", f"max_staleness={eta}",
-              f"total_steps={steps}", "log.progress=false")
+              f"total_steps={steps}", "log.progress=false", "rollout.eval_every=2")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(steps))
@@ -39,8 +39,12 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta):
     if mode == "sync":
         assert all(r["rollout/interrupted"] == 0 for r in rows)
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    assert [e["when"] for e in evals] == ["before", "after"]
-    assert evals[1]["policy_version"] == steps
+    assert [e["when"] for e in evals if e["when"] != "periodic"] == ["before", "after"]
+    assert evals[-1]["policy_version"] == steps
+    periodic = [e for e in evals if e["when"] == "periodic"]  # beside training, every 2 versions
+    assert periodic and all(e["step"] % 2 == 0 and e["eval/version_min"] >= e["step"] for e in periodic)
+    walls = [e["timing/train_wall_s"] for e in periodic]
+    assert walls == sorted(walls) and walls[0] > 0
     assert (tmp_path / "config.yaml").is_file()
     assert "greedy accuracy" in res.stdout
 
