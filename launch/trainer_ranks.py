@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = (0.002, 0.05)  # a follower polls for the next command, backing off from the first to the second
 _CMD = "cmd/{}"
+_ACK = "ack/{}"  # followers that have read command n; its frame is deleted once all have
 _STOPPED = "stopped"
 
 
@@ -75,6 +76,7 @@ class Leader:
         self.check_followers = check_followers  # raises if a locally started rank died
         self.stop_timeout_s = stop_timeout_s
         self._seq = 0
+        self._unread: list[int] = []  # commands some follower may not have read yet
         self._closed = False
 
     @property
@@ -87,15 +89,15 @@ class Leader:
 
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         self._announce("train_step", groups=[[t.to_wire() for t in g] for g in groups])
-        return self._done(self.trainer.train_step(groups))
+        return self.trainer.train_step(groups)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         self._announce("state_dict")
-        return self._done(self.trainer.state_dict())
+        return self.trainer.state_dict()
 
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
         self._announce("save_checkpoint", path=path, step=step, extra=extra)
-        self._done(self.trainer.save_checkpoint(path, step, extra))
+        self.trainer.save_checkpoint(path, step, extra)
 
     def close(self) -> None:
         """Tell the followers to stop, wait until they have (bounded), leave the process group."""
@@ -103,23 +105,39 @@ class Leader:
             return
         self._closed = True
         try:
-            self._announce("stop")
+            self._seq += 1  # not _announce: a dead follower must not keep the others from hearing `stop`
+            self.store.set(_CMD.format(self._seq), encode({"op": "stop"}))
             deadline = time.monotonic() + self.stop_timeout_s
             while self.store.add(_STOPPED, 0) < self.world_size - 1 and time.monotonic() < deadline:
+                if not self._followers_alive():
+                    break
                 time.sleep(0.05)
         finally:
             self.trainer.close()
 
+    def _followers_alive(self) -> bool:
+        try:
+            if self.check_followers is not None:
+                self.check_followers()
+            return True
+        except RuntimeError:
+            return False
+
     def _announce(self, op: str, **args: Any) -> None:
         if self.check_followers is not None:
             self.check_followers()
+        self._forget_read()
         self._seq += 1
         self.store.set(_CMD.format(self._seq), encode({"op": op, **args}))
+        self._unread.append(self._seq)
 
-    def _done(self, result: Any) -> Any:
-        # every follower read this command before joining its collectives, so the frame can go
-        self.store.delete_key(_CMD.format(self._seq))
-        return result
+    def _forget_read(self) -> None:
+        """Delete the frames every follower has read (a step may have no collective to wait on)."""
+        for seq in list(self._unread):
+            if self.store.add(_ACK.format(seq), 0) >= self.world_size - 1:
+                self.store.delete_key(_CMD.format(seq))
+                self.store.delete_key(_ACK.format(seq))
+                self._unread.remove(seq)
 
 
 # what a follower does for each command of rank 0 (the same call, so the same collectives)
@@ -137,7 +155,9 @@ def _next_command(store: dist.TCPStore, seq: int) -> dict[str, Any]:
         while not store.check([key]):
             time.sleep(pause)
             pause = min(2 * pause, _POLL_S[1])
-        return decode(store.get(key))
+        cmd = decode(store.get(key))
+        store.add(_ACK.format(seq), 1)
+        return cmd
     except dist.DistNetworkError:
         raise LeaderLost("trainer rank 0 went away (its store closed); stopping this rank") from None
 

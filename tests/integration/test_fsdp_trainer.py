@@ -35,12 +35,15 @@ STEPS = 3
 TOL = 1e-5
 
 
-def _cfg(**trainer) -> Config:
-    base = Config(model=ModelConfig(dtype="float32", tiny_alphabet="0123456789+= ", max_position=64),
-                  trainer=TrainerConfig(compute_dtype="float32", device="cpu", lr=1e-4, grad_clip=1.0,
+def _cfg(device: str = "cpu", **trainer) -> Config:
+    return Config(model=ModelConfig(dtype="float32", tiny_alphabet="0123456789+= ", max_position=64),
+                  trainer=TrainerConfig(compute_dtype="float32", device=device, lr=1e-4, grad_clip=1.0,
                                         batch_size=16, **trainer),
                   max_staleness=4, seed=3)
-    return base
+
+
+def _fsdp(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, backend="fsdp", world_size=2))
 
 
 def _groups(step: int) -> list[list[Trajectory]]:
@@ -123,22 +126,12 @@ CASES = {
 def fsdp_runs(tmp_path_factory) -> Path:
     """Both cases trained by one pair of FSDP processes (saves a process start-up per case)."""
     out = tmp_path_factory.mktemp("fsdp")
-    cfgs = {}
-    for name, trainer in CASES.items():
-        cfg = _cfg(**trainer)
-        cfgs[name] = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, backend="fsdp", world_size=2))
-    _run_fsdp(cfgs, out)
+    _run_fsdp({name: _fsdp(_cfg(**trainer)) for name, trainer in CASES.items()}, out)
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fsdp_two_processes_match_single_process(fsdp_runs, case):
-    trainer = CASES[case]
-    single_cfg = _cfg(**trainer)
-    ref_stats, ref_weights, ref_trainer = _reference(single_cfg)
-    got = torch.load(fsdp_runs / case / "fsdp.pt", weights_only=False)
-
-    assert [s["train/optimizer_steps"] for s in ref_stats] == [trainer["minibatches"]] * STEPS
+def _assert_same_training(ref_stats: list[dict], ref_weights: dict, got: dict) -> None:
+    """Losses, stats and weights of an FSDP run equal the single-process run's within TOL."""
     for ref, ours in zip(ref_stats, got["stats"]):
         for key in ("train/loss", "train/clip_frac", "train/approx_kl", "train/behav_weight_max",
                     "train/grad_norm", "train/num_tokens", "train/staleness_max"):
@@ -147,6 +140,16 @@ def test_fsdp_two_processes_match_single_process(fsdp_runs, case):
     for name, ref in ref_weights.items():
         assert got["weights"][name].device.type == "cpu"
         assert torch.allclose(got["weights"][name], ref, atol=TOL, rtol=0), name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp_two_processes_match_single_process(fsdp_runs, case):
+    trainer = CASES[case]
+    single_cfg = _cfg(**trainer)
+    ref_stats, ref_weights, ref_trainer = _reference(single_cfg)
+    got = torch.load(fsdp_runs / case / "fsdp.pt", weights_only=False)
+    assert [s["train/optimizer_steps"] for s in ref_stats] == [trainer["minibatches"]] * STEPS
+    _assert_same_training(ref_stats, ref_weights, got)
     initial = get_backend("single").build(single_cfg, RankInfo()).state_dict()
     assert any(not torch.equal(initial[n], ref_weights[n]) for n in ref_weights)  # training moved them
     # tied embedding and LM head: one tensor in the gathered dict too
@@ -175,11 +178,13 @@ def test_world_size_beyond_this_machine_is_one_clear_error():
 
 # ---------------------------------------------------------------------------------------- lock step
 def _leader_then_vanish(cfg: Config, port: int, ready: str) -> None:
-    """Rank 0 that trains one step, then sits until it is killed."""
+    """Rank 0 that trains a step, then one with nothing fresh enough (no collective), then sits until killed."""
     torch.set_num_threads(1)
     trainer = lead(cfg, 2, "127.0.0.1", port)
     stats = trainer.train_step(_groups(0))
+    assert trainer.train_step(_groups(-10))["train/dropped_stale"] == 16  # the follower must not lose count
     assert trainer.state_dict()  # rank 0 gets the full weights; the follower joined the gather
+    assert 1 not in trainer._unread  # a frame every follower has read is deleted from the store
     Path(ready).write_text(str(stats["train/loss"]))
     time.sleep(600)
 
@@ -193,8 +198,7 @@ def _follower(cfg: Config, port: int, errors) -> None:
 
 
 def test_follower_leaves_when_rank0_dies(tmp_path):
-    cfg = _cfg(micro_batch_tokens=4096)
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, backend="fsdp", world_size=2))
+    cfg = _fsdp(_cfg(micro_batch_tokens=4096))
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port, ready = free_port(), tmp_path / "ready"
@@ -218,3 +222,24 @@ def test_follower_leaves_when_rank0_dies(tmp_path):
         for p in (leader, follower):
             if p.is_alive():
                 p.kill()
+
+
+# ---------------------------------------------------------------------------------------- CUDA (NCCL)
+@pytest.mark.gpu
+def test_cuda_world_size_beyond_visible_gpus_is_one_clear_error():
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"^trainer.world_size: {n + 1} ranks need {n + 1} CUDA devices"):
+        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=n + 1, device="cuda"))
+    with pytest.raises(ValueError, match=r"^trainer.device: 'cuda:0' pins one GPU"):
+        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=2, device="cuda:0"))
+
+
+@pytest.mark.gpu
+def test_fsdp_on_two_gpus_matches_one_gpu(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (one per rank)")
+    cfg = _cfg("cuda", **CASES["micro-batches+minibatches"])
+    _run_fsdp({"cuda": _fsdp(cfg)}, tmp_path)
+    ref_stats, ref_weights, _ = _reference(cfg)
+    _assert_same_training(ref_stats, {k: v.cpu() for k, v in ref_weights.items()},
+                          torch.load(tmp_path / "cuda" / "fsdp.pt", weights_only=False))
