@@ -230,7 +230,8 @@ async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> lis
                      "rollout_peak_MB": rss, "rollout_peak_anon_MB": anon, "t0": t_start, "t1": t_done})
         await asyncio.sleep(0.5)
     in_q.put("stop")
-    await asyncio.to_thread(httpx.post, url + "/abort_request", json={"abort_all": True}, trust_env=False)
+    await asyncio.to_thread(httpx.post, url + "/abort_request", json={"abort_all": True}, trust_env=False,
+                            timeout=120)
     await asyncio.to_thread(streams.join)
     for row in rows:
         row["interruption_s"] = streams.interruption(row.pop("t0"), row.pop("t1"))
@@ -253,6 +254,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny model only")
+    ap.add_argument("--models", default="tiny,smollm2-135m", help=f"some of {', '.join(MODELS)}")
     ap.add_argument("--rounds", type=int, default=2, help="updates per case (the median is reported)")
     ap.add_argument("--bucket-mb", type=float, default=128.0, help="weight_sync.bucket_mb")
     ap.add_argument("--transports", default="disk,zmq,zmq+swap,dist")
@@ -261,27 +263,38 @@ def main() -> None:
     torch.set_num_threads(max(1, threads // 2))
     rows = []
     load_before = os.getloadavg()[0]
-    for model in ["tiny"] + ([] if args.quick else ["smollm2-135m"]):
+    for model in ["tiny"] if args.quick else args.models.split(","):
         mb = sum(p.numel() * p.element_size() for p in build(model, 0).parameters()) / 2**20
         for transport in args.transports.split(","):
             runs = run_case(transport, model, args.rounds, args.bucket_mb)
             best = sorted(runs, key=lambda r: r["update_s"])[len(runs) // 2]
             rows.append({**best, "MB": mb, "all_update_s": [r["update_s"] for r in runs]})
             print(table(rows[-1:]), flush=True)
-    text = table(rows)
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     cpu = torch.backends.cpu.get_cpu_capability()
-    load = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"
-    print(text)
+    for r in rows:
+        r.update(command=cmd, load_avg=f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}", bucket_mb=args.bucket_mb)
+    write(rows, {"cpus": os.cpu_count(), "cpu_capability": cpu, "torch_threads": threads})
+
+
+def write(rows: list[dict], meta: dict) -> None:
+    """Merge `rows` into the results (a later run of a (model, transport) replaces the earlier one)."""
     RESULTS.mkdir(exist_ok=True)
-    meta = {"command": cmd, "cpus": os.cpu_count(), "cpu_capability": cpu, "torch_threads": threads,
-            "bucket_mb": args.bucket_mb, "load_avg": load}
-    (RESULTS / "weight_sync.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    path = RESULTS / "weight_sync.json"
+    old = json.loads(path.read_text())["rows"] if path.is_file() else []
+    mine = {(r["model"], r["transport"]) for r in rows}
+    order = {m: i for i, m in enumerate(MODELS)}
+    merged = sorted([r for r in old if (r["model"], r["transport"]) not in mine] + rows,
+                    key=lambda r: (order.get(r["model"], 9), r["transport"]))
+    path.write_text(json.dumps({**meta, "rows": merged}, indent=1) + "\n")
+    commands = sorted({f"`{r['command']}` (load average {r['load_avg']})" for r in merged})
+    text = table(merged)
+    print(text)
     (RESULTS / "weight_sync.md").write_text(
         "# Weight sync: seconds per update, peak extra memory, interruption\n\n"
-        f"`{cmd}` on {os.cpu_count()} cores ({cpu}), torch threads {threads} (half to the engine), "
-        f"bucket {args.bucket_mb:g} MB, load average {load}; fp32 weights; the median of {args.rounds} updates. "
-        "See the script's docstring for what each column measures.\n\n" + text + "\n")
+        f"{meta['cpus']} cores ({meta['cpu_capability']}), torch threads {meta['torch_threads']} (half to the "
+        "engine); fp32 weights; the median of the updates of each case. See the script's docstring for what "
+        "each column measures. Made by:\n\n" + "\n".join(f"- {c}" for c in commands) + "\n\n" + text + "\n")
 
 
 if __name__ == "__main__":
