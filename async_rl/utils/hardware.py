@@ -6,8 +6,9 @@
 bfloat16 is chosen only where the hardware runs it natively: a CUDA device that
 supports it, or a CPU whose bf16 matrix multiply is measured to be faster than fp32.
 CPUs come in kinds where bf16 is emulated (AVX2 only: a bf16 GEMM runs ~240x slower
-than fp32), so the decision is never a guess: CPUs below AVX-512 get float32 without
-a probe, and AVX-512 CPUs run a short GEMM probe (~0.1 s) once per process.
+than fp32), so the decision is never a guess: CPUs below AVX-512, or without the bf16
+instructions (avx512_bf16, amx_bf16), get float32 without a probe; the others run a short
+GEMM probe (a few ms) once per process and take bf16 only if it is measured faster.
 """
 
 from __future__ import annotations
@@ -70,22 +71,34 @@ def cpu_capability() -> str:
         return "unknown"
 
 
-def _gemm_seconds(dtype: torch.dtype, n: int, reps: int) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    a @ b  # warm-up: kernel selection, allocation
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return best
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_bf16_speedup() -> float:
-    """Measured fp32-time / bf16-time of a small GEMM on this CPU with the current threads."""
-    return _gemm_seconds(torch.float32, _PROBE_N, 5) / max(_gemm_seconds(torch.bfloat16, _PROBE_N, 5), 1e-9)
+def cpu_bf16_speedup(reps: int = 15) -> float:
+    """Measured fp32-time / bf16-time of a small GEMM on this CPU with the current threads.
+
+    The two dtypes are timed in alternation and the best of each is kept, so a busy
+    machine (other processes stealing cores) disturbs both alike instead of one."""
+    a32, b32 = torch.randn(_PROBE_N, _PROBE_N), torch.randn(_PROBE_N, _PROBE_N)
+    a16, b16 = a32.to(torch.bfloat16), b32.to(torch.bfloat16)
+    a32 @ b32, a16 @ b16  # warm-up: kernel selection, allocation
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    for _ in range(reps):
+        for dtype, (a, b) in ((torch.float32, (a32, b32)), (torch.bfloat16, (a16, b16))):
+            t0 = time.perf_counter()
+            a @ b
+            best[dtype] = min(best[dtype], time.perf_counter() - t0)
+    return best[torch.float32] / max(best[torch.bfloat16], 1e-9)
 
 
 def resolve_dtype(spec: str, device: torch.device | str = "cpu") -> DtypeChoice:
@@ -102,6 +115,9 @@ def resolve_dtype(spec: str, device: torch.device | str = "cpu") -> DtypeChoice:
     cap = cpu_capability()
     if not cap.upper().startswith("AVX512"):
         return DtypeChoice(torch.float32, f"CPU capability {cap}: no native bf16 (emulated bf16 runs far slower than fp32)")
+    flags = cpu_flags()
+    if flags and not flags & {"avx512_bf16", "amx_bf16"}:
+        return DtypeChoice(torch.float32, f"CPU capability {cap} without avx512_bf16/amx_bf16: bf16 is emulated")
     speedup = cpu_bf16_speedup()
     if speedup >= _BF16_MIN_SPEEDUP:
         return DtypeChoice(torch.bfloat16, f"CPU capability {cap}: bf16 GEMM measured {speedup:.1f}x fp32")

@@ -20,10 +20,18 @@ def test_cpu_without_avx512_gets_float32_without_probing(monkeypatch):
 @pytest.mark.parametrize("speedup,expected", [(0.004, torch.float32), (1.0, torch.float32), (2.7, torch.bfloat16)])
 def test_avx512_cpu_follows_the_measured_probe(monkeypatch, speedup, expected):
     monkeypatch.setattr(hardware, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     monkeypatch.setattr(hardware, "cpu_bf16_speedup", lambda: speedup)
     choice = resolve_dtype("auto", "cpu")
     assert choice.dtype == expected
     assert "measured" in choice.reason
+
+
+def test_avx512_without_bf16_instructions_gets_float32(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "avx512bw"})
+    monkeypatch.setattr(hardware, "cpu_bf16_speedup", lambda: pytest.fail("no bf16 instructions: no probe"))
+    assert resolve_dtype("auto", "cpu").dtype == torch.float32
 
 
 def test_probe_measures_this_machine():
