@@ -1,4 +1,9 @@
-"""`async-rl run`: trainer and rollout (with its generation server) as supervised local processes."""
+"""`async-rl run`: trainer and rollout (with its generation servers) as supervised local processes.
+
+The launcher supervises the trainer and the rollout process; the rollout process owns its
+generation servers (`rollout.num_servers`), and a server that dies is taken out of rotation
+there, so the run goes on while one server remains. A dead trainer or rollout ends the run.
+"""
 
 from __future__ import annotations
 
@@ -53,6 +58,12 @@ def summary(cfg: Config) -> list[str]:
                      f"dropped stale: {sum(r.get('train/dropped_stale') or 0 for r in rows)}; "
                      f"interrupted trajectories: {sum(r.get('rollout/interrupted') or 0 for r in rows)}")
         lines.append(f"wall time: {sum(r.get('timing/step_s') or 0 for r in rows):.1f}s in {len(rows)} train steps")
+    pool = read_jsonl(Path(cfg.run_dir) / "rollout_metrics.jsonl")[-1:]
+    if pool and pool[0].get("pool/servers", 1) > 1:
+        p = pool[0]
+        lines.append(f"generation servers: {p['pool/servers']}, in rotation at the end: {p['pool/in_rotation']}; "
+                     f"fenced {p['pool/fenced_total']} times, out of rotation {p['pool/unhealthy_total']} times; "
+                     f"requests moved to another server: {p['pool/reissued']}")
     evals = {r["when"]: r for r in read_jsonl(Path(cfg.run_dir) / "eval.jsonl")}
     if "before" in evals and "after" in evals:
         lines.append(f"greedy accuracy on {evals['before']['eval/n']} held-out problems: "

@@ -122,6 +122,10 @@ def start_servers(cfg: Config) -> tuple[list[Any], list[str]]:
         stop_all([proc for proc, _ in results])
         raise errors[0]
     logger.info("started %d generation server(s): %s", n, ", ".join(url for _, url in results))
+    listing = [{"index": i, "pid": proc.pid, "url": url} for i, (proc, url) in enumerate(results)]
+    tmp = Path(cfg.run_dir) / "servers.json.tmp"
+    tmp.write_text(json.dumps(listing, indent=1))
+    tmp.replace(tmp.with_suffix(""))  # servers.json: which process serves which URL, never half-written
     return [proc for proc, _ in results], [url for _, url in results]
 
 

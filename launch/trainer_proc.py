@@ -39,8 +39,9 @@ def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
 
     The queue drops a producer silent for transport.peer_timeout_s (checked every heartbeat_s);
     when that leaves none, the rollout side is reported lost at once, so a killed rollout side
-    is reported within peer_timeout_s + 2 * heartbeat_s. With no producer connected at all
-    (never started, or said goodbye), it is reported after peer_timeout_s."""
+    is reported within peer_timeout_s + 2 * heartbeat_s. With no producer connected at all, it
+    is reported after peer_timeout_s (said goodbye), or rollout.connect_timeout_s if none ever
+    sent anything (the rollout side may still be starting its servers)."""
     silent_since: float | None = None
     timeout = cfg.transport.peer_timeout_s
     while True:
@@ -57,7 +58,9 @@ def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
                     f"lost the rollout side: no message from it at {queue.address} for more than {timeout:g}s "
                     "(transport.peer_timeout_s); did `async-rl rollout` crash?") from None
             silent_since = silent_since or time.monotonic()
-            if time.monotonic() - silent_since > timeout:
+            wait, key = (timeout, "transport.peer_timeout_s") if stats.get("queue/received", 0) else \
+                (max(timeout, cfg.rollout.connect_timeout_s), "rollout.connect_timeout_s")
+            if time.monotonic() - silent_since > wait:
                 raise PeerLostError(
                     f"no rollout producer connected to {queue.address} for {timeout:.0f}s "
                     "(transport.peer_timeout_s; is `async-rl rollout` running and pointed at this address?)") from None

@@ -27,10 +27,11 @@ import dataclasses
 import logging
 from typing import Any
 
-from async_rl.engine.client import ServerUnreachableError
+# the client's own rule for continuing a request (fresh seed, remaining lengths), so both resume alike
+from async_rl.engine.client import ServerUnreachableError, _resumed
+from async_rl.engine.sglang_api import joined_output
 from async_rl.rollout.server_pool import Server, ServerPool
 from async_rl.types import GenerationOutput, SamplingParams, new_id
-from async_rl.utils.seeding import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class PooledGenerationClient:
         self._last: Server | None = None
         self._running: dict[str, tuple[Server, str, int, _Piece]] = {}  # rid -> (server, piece id, carried, piece)
         self._aborted: set[str] = set()
+        self._aborts: set[asyncio.Future] = set()  # fire-and-forget aborts still on their way
 
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
@@ -105,6 +107,7 @@ class PooledGenerationClient:
             gone.cancel()
             if not work.done():
                 work.cancel()
+                self._abort_later(server, piece_id)
                 await asyncio.gather(work, return_exceptions=True)
         if not work.cancelled() and work.exception() is None and piece.finished:
             if piece.out.finish_reason == "abort" and rid not in self._aborted:
@@ -119,6 +122,18 @@ class PooledGenerationClient:
             self.pool.mark_unhealthy(server, f"request failed: {exc}")
             return str(exc)
         raise exc  # bad input (ValueError naming the field) and bugs are not a reason to move
+
+    def _abort_later(self, server: Server, piece_id: str) -> None:
+        """Tell a server we stopped listening (best effort): it then frees the request instead of finishing it."""
+        async def abort() -> None:
+            try:
+                await asyncio.wait_for(server.client.abort_request(piece_id), 5.0)
+            except Exception as exc:  # the server may be dead or frozen: that is why we left it
+                logger.debug("abort of %s on %s failed: %s", piece_id, server.address, exc)
+
+        task = asyncio.ensure_future(abort())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def _consume(self, server: Server, ids: list[int], params: SamplingParams, piece_id: str,
                        piece: _Piece) -> None:
@@ -170,19 +185,9 @@ def _ids(pieces: list[GenerationOutput]) -> list[int]:
     return [t for p in pieces for t in p.output_ids]
 
 
-def _resumed(params: SamplingParams, done: int) -> SamplingParams:
-    # a fresh seed per resume point: re-using the request's seed would replay the draws of its first tokens
-    seed = None if params.seed is None else derive_seed(params.seed, "resume", done)
-    return dataclasses.replace(params, max_new_tokens=params.max_new_tokens - done, seed=seed)
-
-
 def _joined(rid: str, prompt_len: int, pieces: list[GenerationOutput], finish_reason: str) -> GenerationOutput:
     """One output from the pieces of a request that moved: tokens, log-probs and versions in order."""
-    tops = [p.output_top_logprobs for p in pieces]
-    return GenerationOutput(
-        request_id=rid, prompt_len=prompt_len, output_ids=_ids(pieces),
-        output_logprobs=[x for p in pieces for x in p.output_logprobs],
-        output_versions=[v for p in pieces for v in p.output_versions], finish_reason=finish_reason,
-        num_interruptions=sum(p.num_interruptions for p in pieces),
-        output_top_logprobs=None if not pieces or any(t is None for t in tops) else [e for t in tops for e in t],
-        prefix_cached_tokens=pieces[0].prefix_cached_tokens if pieces else 0)
+    if not pieces:
+        return GenerationOutput(request_id=rid, prompt_len=prompt_len, output_ids=[], output_logprobs=[],
+                                output_versions=[], finish_reason=finish_reason)
+    return dataclasses.replace(joined_output(rid, prompt_len, pieces), finish_reason=finish_reason)

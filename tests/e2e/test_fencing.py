@@ -1,0 +1,150 @@
+"""Lost processes, as a user meets them on the command line: nothing hangs, each loss is reported in time.
+
+- `async-rl run` with two generation servers: one is killed (SIGKILL) as a weight update is
+  published; it is fenced, the other server carries the run to the end.
+- the rollout side killed: the trainer says so within transport.peer_timeout_s + 2 heartbeats
+  (`transport.heartbeat_s`), and exits with one `error:` line stating the time;
+- the trainer killed: the rollout side says so within transport.peer_timeout_s + 1 heartbeat;
+- a wrong server address: one `error:` line naming `rollout.server_addrs`.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch.common import free_port
+from tests.e2e.test_run import DEBUG, ROOT, cli, metrics
+
+PEER = ["transport.heartbeat_s=0.5", "transport.peer_timeout_s=3"]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc, so no extra package is needed)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def wait_for(predicate, timeout_s: float, what: str, *alive: subprocess.Popen):
+    """Poll `predicate` until it is true; fail early if one of `alive` exits meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for proc in alive:
+            assert proc.poll() is None, f"exited while waiting for {what}: {proc.communicate()[1][-2000:]}"
+        time.sleep(0.01)
+    return found
+
+
+def start(command: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", command, *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_server_killed_during_a_weight_update_is_fenced_and_the_run_completes(tmp_path):
+    steps = 6
+    run = start("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", "log.progress=false",
+                "rollout.num_servers=2", "rollout.health_interval_s=1", "weight_sync.deadline_s=5")
+    try:
+        servers = wait_for(lambda: (tmp_path / "servers.json").is_file() and json.loads(
+            (tmp_path / "servers.json").read_text() or "null"), 120, "the servers", run)
+        assert [s["index"] for s in servers] == [0, 1]
+        wait_for(lambda: list((tmp_path / "weights").glob("weights_v000002*")), 120, "weight version 2", run)
+        os.kill(servers[1]["pid"], signal.SIGKILL)
+        out, err = run.communicate(timeout=240)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err[-3000:]
+    assert [r["policy_version"] for r in metrics(tmp_path)] == list(range(1, steps + 1))
+    rows = [json.loads(line) for line in (tmp_path / "rollout_metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["pool/servers"] == 2 and last["pool/in_rotation"] == 1
+    assert last["pool/server1/fenced"] == 1 and last["pool/server0/version"] == steps
+    assert last["pool/server0/requests"] > last["pool/server1/requests"] > 0  # both served before the kill
+    assert any(r["sync/servers_fenced"] == 1 for r in rows) and all(r["sync/servers_loaded"] >= 1 for r in rows)
+    log = (tmp_path / "logs" / "rollout.log").read_text()
+    assert f"generation server {servers[1]['url']} fenced" in log
+    assert "greedy accuracy" in out and "generation servers: 2, in rotation at the end: 1" in out
+
+
+def separate_sides(tmp_path: Path, steps: int = 1000) -> tuple[subprocess.Popen, subprocess.Popen]:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--config", DEBUG, f"transport.addr={addr}", f"total_steps={steps}", "log.progress=false", *PEER]
+    train = start("train", *common, f"run_dir={tmp_path / 't'}")
+    roll = start("rollout", *common, f"run_dir={tmp_path / 'r'}")
+    wait_for(lambda: (tmp_path / "t" / "metrics.jsonl").is_file()
+             and (tmp_path / "t" / "metrics.jsonl").read_text().count("\n") >= 1, 180, "a first train step", train, roll)
+    return train, roll
+
+
+def side_pids(proc: subprocess.Popen) -> list[int]:
+    """The child running the side itself (not multiprocessing's resource tracker)."""
+    return [pid for pid in child_pids(proc.pid)
+            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def kill_child(proc: subprocess.Popen) -> float:
+    """SIGKILL the process the command line started (the side itself, not the command-line parent)."""
+    (pid,) = wait_for(lambda: side_pids(proc), 10, "the child process")
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def reported_after(log: Path, text: str, killed: float, timeout_s: float) -> float:
+    """Seconds from the kill until `text` shows up in the side's log."""
+    wait_for(lambda: log.is_file() and text in log.read_text(), timeout_s, f"{text!r} in {log.name}")
+    return time.monotonic() - killed
+
+
+def test_killing_the_rollout_side_is_reported_by_the_trainer_in_time(tmp_path):
+    train, roll = separate_sides(tmp_path)
+    try:
+        killed = kill_child(roll)
+        took = reported_after(tmp_path / "t" / "logs" / "train.log", "lost the rollout side", killed, 30)
+        _, err = train.communicate(timeout=60)
+    finally:
+        train.kill()
+        roll.kill()
+    assert took < 3 + 2 * 0.5 + 3  # peer_timeout_s + 2 heartbeats (+ slack for a busy machine)
+    assert train.returncode == 2
+    line = err.strip().splitlines()[-1]
+    assert re.match(r"error: \w+: lost the rollout side: no message from it at tcp://127.0.0.1:\d+ for more than 3s "
+                    r"\(transport.peer_timeout_s\)", line), line
+
+
+def test_killing_the_trainer_is_reported_by_the_rollout_side_in_time(tmp_path):
+    train, roll = separate_sides(tmp_path)
+    try:
+        killed = kill_child(train)
+        took = reported_after(tmp_path / "r" / "logs" / "rollout.log", "has been silent for", killed, 30)
+        _, err = roll.communicate(timeout=60)
+    finally:
+        train.kill()
+        roll.kill()
+    assert took < 3 + 0.5 + 3  # peer_timeout_s + 1 heartbeat (+ slack for a busy machine)
+    assert roll.returncode == 2
+    line = err.strip().splitlines()[-1]
+    assert re.match(r"error: \w+: the trainer at tcp://127.0.0.1:\d+ has been silent for \d+s \(peer_timeout_s=3\)",
+                    line), line
+
+
+def test_a_wrong_server_address_is_one_clear_error(tmp_path):
+    bad = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    res = cli("rollout", "--config", DEBUG, f"run_dir={tmp_path}", f"transport.addr=tcp://127.0.0.1:{free_port()}",
+              f"rollout.server_addrs=[{bad}]", "rollout.connect_timeout_s=2", timeout=60)
+    assert res.returncode == 2 and time.monotonic() - t0 < 30
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith(f"error: rollout: rollout.server_addrs[0]: generation server {bad} not reachable after 2s")
