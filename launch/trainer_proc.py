@@ -25,6 +25,8 @@ from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
+from async_rl.utils.cores import refresh_per_layer
+from launch.common import setup_cores
 from launch.trainer_ranks import follower_main, lead, local_followers, rank_threads
 
 logger = logging.getLogger(__name__)
@@ -62,8 +64,8 @@ def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
                 (max(timeout, cfg.rollout.connect_timeout_s), "rollout.connect_timeout_s")
             if time.monotonic() - silent_since > wait:
                 raise PeerLostError(
-                    f"no rollout producer connected to {queue.address} for {timeout:.0f}s "
-                    "(transport.peer_timeout_s; is `async-rl rollout` running and pointed at this address?)") from None
+                    f"no rollout producer connected to {queue.address} for {wait:.0f}s "
+                    f"({key}; is `async-rl rollout` running and pointed at this address?)") from None
 
 
 def _wait_producers_gone(queue: TrajectoryQueueServer, timeout: float) -> None:
@@ -97,16 +99,21 @@ def trainer_rank_main(cfg: Config, rank: int, world_size: int, master_addr: str,
         follower_main(cfg, rank, world_size, master_addr, master_port, local_rank)
         return
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(rank_threads(cfg, world_size))
+    cores = setup_cores(cfg, "trainer")  # a pool, or a share of this machine's cores lent while we wait
+    if world_size > 1:  # ranks split the trainer's threads and train in lock step: nothing to lend
+        cores = None
+        torch.set_num_threads(rank_threads(cfg, world_size))
     run_dir = Path(cfg.run_dir)
     trainer = lead(cfg, world_size, master_addr, master_port, local_rank, check_followers)
     try:
-        _lead_run(cfg, trainer, run_dir)
+        _lead_run(cfg, trainer, cores, run_dir)
     finally:
         trainer.close()
 
 
-def _lead_run(cfg: Config, trainer, run_dir: Path) -> None:
+def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
+    if cores is not None:
+        refresh_per_layer(trainer.model, cores)
     metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
     queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
                                   heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s)
@@ -117,8 +124,12 @@ def _lead_run(cfg: Config, trainer, run_dir: Path) -> None:
     try:
         for step in range(cfg.total_steps):
             t0 = time.perf_counter()
+            if cores is not None:
+                cores.idle()
             groups = _wait_batch(queue, cfg)
             wait_s = time.perf_counter() - t0
+            if cores is not None:
+                cores.busy()
             stats = trainer.train_step(groups)
             t1 = time.perf_counter()
             stats.update(publish_weights(publisher, queue, trainer.state_dict(), trainer.policy_version))

@@ -71,6 +71,7 @@ class TrajectoryQueueClient:
         self._kick = asyncio.Event()
         self._controls: asyncio.Queue = asyncio.Queue()
         self._handlers: dict[str, Callable[[dict[str, Any]], None]] = {}
+        self._trainer_finished = False  # the trainer said "stop": the run ended normally
         self._error: BaseException | None = None
         self._closed = False
         self._last_seen = time.monotonic()
@@ -157,6 +158,8 @@ class TrajectoryQueueClient:
         self._handlers[kind] = handler
 
     def _dispatch(self, body: dict[str, Any]) -> None:
+        if body["kind"] == "stop":
+            self._trainer_finished = True
         handler = self._handlers.get(body["kind"])
         if handler is None:
             self._controls.put_nowait(body)
@@ -182,7 +185,9 @@ class TrajectoryQueueClient:
         if self._closed:
             return
         self._closed = True
-        if self.unacked:
+        if self.unacked and self._trainer_finished:  # the normal end: what was produced beyond the last step
+            logger.info("%d trajectories produced after the trainer's last step were not trained", self.unacked)
+        elif self.unacked:
             logger.warning("closing the queue client with %d trajectories not acknowledged by the trainer",
                            self.unacked)
         if self._sock is not None:
