@@ -144,7 +144,9 @@ class RayRun:
             first = self.trainers[0]
             port = self.ray.get(self.hosts[first].free_port.remote())
             addr = f"tcp://{self._host(addr[len('tcp://'):-2], first)}:{port}"
-        trainer_cfg = _threads(with_overrides(cfg, transport={"addr": addr}), "trainer", cfg.ray.num_cpus_per_trainer)
+        # the trainer's threads are those of all its bundles; trainer_rank_main splits them between the ranks
+        trainer_cfg = _threads(with_overrides(cfg, transport={"addr": addr}), "trainer",
+                               cfg.ray.num_cpus_per_trainer * cfg.trainer.world_size)
         for name, (entry, kwargs) in zip(self.trainers, self._trainer_entries()):
             self.ray.get(self.hosts[name].start.remote(entry, to_yaml(trainer_cfg), kwargs))
         urls = list(self._get_all(servers).values()) if servers else list(cfg.rollout.server_addrs)
@@ -163,19 +165,16 @@ class RayRun:
         return refs
 
     def _trainer_entries(self) -> list[tuple[str, dict]]:
+        """One entry per rank; rank 0 hosts the ranks' rendezvous store on its node."""
         world = self.cfg.trainer.world_size
         if world == 1:
             return [("launch.trainer_proc:trainer_main", {})]
-        import launch.trainer_proc as trainer_proc
-
-        if not hasattr(trainer_proc, "trainer_rank_main"):
-            raise ConfigError(f"trainer.world_size: this build's trainer runs one rank (no "
-                              f"launch.trainer_proc.trainer_rank_main); use trainer.world_size=1, got {world}")
         rank0 = self.trainers[0]
         master_addr = self._host("127.0.0.1", rank0)
         master_port = self.ray.get(self.hosts[rank0].free_port.remote())
-        return [("launch.trainer_proc:trainer_rank_main",
-                 {"rank": r, "world_size": world, "master_addr": master_addr, "master_port": master_port})
+        # each rank sees only its bundle's GPU (Ray sets CUDA_VISIBLE_DEVICES), so its device index is 0
+        return [("launch.trainer_proc:trainer_rank_main", {"rank": r, "world_size": world, "master_addr": master_addr,
+                                                           "master_port": master_port, "local_rank": 0})
                 for r in range(world)]
 
     def _get_all(self, refs: dict[str, Any]) -> dict[str, Any]:
@@ -258,8 +257,18 @@ def _threads(cfg: Config, section: str, bundle_cpus: float) -> Config:
     return with_overrides(cfg, **{section: {"num_threads": max(1, int(bundle_cpus))}})
 
 
+def _check_backend(cfg: Config) -> None:
+    """Ranks are placed on the cluster, so only the config is checked here, not this machine's devices."""
+    from async_rl.trainer.backends import TRAINER_BACKENDS
+
+    if cfg.trainer.world_size > 1 and not TRAINER_BACKENDS[cfg.trainer.backend]().distributed:
+        raise ConfigError(f"trainer.world_size: trainer.backend={cfg.trainer.backend} runs one process, got "
+                          f"{cfg.trainer.world_size}; use trainer.backend=fsdp to place several ranks")
+
+
 def run_ray(cfg: Config) -> list[str]:
     ray = _import_ray()
+    _check_backend(cfg)
     slots = plan(cfg)
     save_config(cfg, cfg.run_dir)
     for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl"):

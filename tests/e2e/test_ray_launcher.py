@@ -1,8 +1,8 @@
-"""`async-rl run ... launcher=ray` on real local Ray clusters, as a user runs it.
+"""`launcher=ray` on real local Ray clusters: the command line as a user runs it, the errors in process.
 
 One cluster is started here with `ray start --head --block` (2 CPUs, no dashboard, a small
-object store) and joined with `ray.address=`; the launcher must leave it running and free
-its bundles. Another run starts (and must stop) its own local cluster.
+object store) and joined with `ray.address=`; the launcher must leave it running and give
+its bundles back. The debug run starts (and must stop) its own local cluster.
 """
 
 import json
@@ -18,14 +18,21 @@ from pathlib import Path
 import pytest
 import ray
 
+from async_rl.config import load_config
 from launch.common import free_port
+from launch.local import RunFailed
+from launch.ray_launcher import run_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 RAY_NOISE = re.compile(r"raylet|gcs_server|core_worker|\(pid=|\bINFO\b.*\bray\b|usage stats|ray\.init", re.I)
 FAST = ["log.progress=false", "rollout.connect_timeout_s=30", "model.dtype=float32", "trainer.compute_dtype=float32",
-        "task.eval_size=16"]
+        "task.eval_size=16", "trainer.batch_size=16"]
+
+
+def config(run_dir: Path, *overrides: str):
+    return load_config(DEBUG, ["launcher=ray", f"run_dir={run_dir}", *FAST, *overrides])
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -109,39 +116,50 @@ def test_debug_run_on_a_local_cluster_it_starts_and_stops(tmp_path):
 
 def test_unplaceable_world_size_times_out_naming_resources(tmp_path, cluster):
     t0 = time.monotonic()
-    res = cli("run", "--config", DEBUG, "launcher=ray", f"ray.address={cluster}", "trainer.world_size=4",
-              "ray.placement_timeout_s=3", f"run_dir={tmp_path}", *FAST, timeout=120)
-    assert res.returncode == 2
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ray: cannot place 6 bundles"), res.stderr[-2000:]
+    cfg = config(tmp_path, f"ray.address={cluster}", "trainer.backend=fsdp", "trainer.world_size=4",
+                 "ray.placement_timeout_s=3")
+    with pytest.raises(RuntimeError) as err:
+        run_ray(cfg)
+    msg = str(err.value)
+    assert msg.startswith("ray: cannot place 6 bundles") and "\n" not in msg, msg
     for part in ("4 trainer x (CPU 1", "CPU 5", "ray.placement_timeout_s=3s", "trainer.world_size", "CPU 2"):
-        assert part in lines[0], (part, lines[0])
+        assert part in msg, (part, msg)
     assert time.monotonic() - t0 < 60
     # a joined cluster is left running, with the run's bundles given back
     assert free_cpus(cluster) == 2
 
 
-def test_world_size_beyond_this_machine_fails_before_starting_a_cluster(tmp_path):
-    res = cli("run", "--config", DEBUG, "launcher=ray", f"trainer.world_size={os.cpu_count() + 1}",
-              f"run_dir={tmp_path}", *FAST, timeout=60)
-    assert res.returncode == 2
-    assert res.stderr.startswith("error: ray: cannot place") and "on this machine" in res.stderr, res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+@pytest.mark.parametrize("backend,error,expected", [
+    ("fsdp", RuntimeError, "ray: cannot place"), ("single", ValueError, "trainer.world_size: trainer.backend=single")])
+def test_bad_world_size_fails_before_starting_a_cluster(tmp_path, backend, error, expected):
+    before = raylets()
+    with pytest.raises(error, match=re.escape(expected)):
+        run_ray(config(tmp_path, f"trainer.backend={backend}", f"trainer.world_size={os.cpu_count() + 1}"))
+    assert raylets() <= before
+
+
+def test_unreachable_address_is_one_error_naming_the_key(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"ray.address: no Ray cluster answers at {address}"):
+        run_ray(config(tmp_path, f"ray.address={address}"))
+    assert time.monotonic() - t0 < 10
 
 
 def test_failed_process_ends_the_run_naming_it_and_its_log(tmp_path, cluster):
-    res = cli("run", "--config", DEBUG, "launcher=ray", f"ray.address={cluster}", "engine.kv_cache_mb=0.000001",
-              f"run_dir={tmp_path}", *FAST, timeout=180)
-    assert res.returncode == 2
-    line = res.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: server") and "engine.kv_cache_mb" in line, res.stderr[-2000:]
-    assert f"(log: {tmp_path / 'logs'}" in line, line
+    with pytest.raises(RunFailed) as err:
+        run_ray(config(tmp_path, f"ray.address={cluster}", "engine.kv_cache_mb=0.000001"))
+    msg = str(err.value)
+    assert msg.startswith("server: ") and "engine.kv_cache_mb" in msg and "\n" not in msg, msg
+    assert f"(log: {tmp_path / 'logs' / 'server.log'})" in msg, msg
     assert free_cpus(cluster) == 2
 
 
-def test_sigterm_tears_everything_down_and_leaves_the_cluster(tmp_path, cluster):
+def test_two_trainer_ranks_train_then_sigterm_tears_everything_down(tmp_path, cluster):
+    """Ranks 0 and 1 in their own bundles train in lock step; SIGTERM stops every process, frees the bundles."""
     proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", DEBUG, "launcher=ray",
-                             f"ray.address={cluster}", "total_steps=500", f"run_dir={tmp_path}", *FAST],
+                             f"ray.address={cluster}", "trainer.backend=fsdp", "trainer.world_size=2",
+                             "ray.num_cpus_per_trainer=0.5", "total_steps=500", f"run_dir={tmp_path}", *FAST],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 150
@@ -160,4 +178,6 @@ def test_sigterm_tears_everything_down_and_leaves_the_cluster(tmp_path, cluster)
     assert "interrupted" in err
     assert not listening(server.group(1), int(server.group(2))), "generation server still serving"
     assert not listening(queue[0], int(queue[1])), "trainer still listening"
+    assert "placed 4 bundles" in (tmp_path / "logs" / "launcher.log").read_text()
+    assert (tmp_path / "logs" / "trainer1.log").is_file()  # rank 1 ran (in its own bundle) and took the step
     assert free_cpus(cluster) == 2
