@@ -17,10 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from launch.common import free_port
 from tests.e2e.test_run import DEBUG, ROOT, cli, metrics
 
 PEER = ["transport.heartbeat_s=0.5", "transport.peer_timeout_s=3"]
+SMALL = ["task.eval_size=16", "trainer.batch_size=16"]  # a quicker start: a smaller evaluation and first batch
 
 
 def child_pids(pid: int) -> list[int]:
@@ -55,7 +58,7 @@ def start(command: str, *args: str) -> subprocess.Popen:
 
 def test_server_killed_during_a_weight_update_is_fenced_and_the_run_completes(tmp_path):
     steps = 6
-    run = start("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", "log.progress=false",
+    run = start("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", "log.progress=false", *SMALL[:1],
                 "rollout.num_servers=2", "rollout.health_interval_s=1", "weight_sync.deadline_s=5")
     try:
         servers = wait_for(lambda: (tmp_path / "servers.json").is_file() and json.loads(
@@ -81,7 +84,7 @@ def test_server_killed_during_a_weight_update_is_fenced_and_the_run_completes(tm
 
 def separate_sides(tmp_path: Path, steps: int = 1000) -> tuple[subprocess.Popen, subprocess.Popen]:
     addr = f"tcp://127.0.0.1:{free_port()}"
-    common = ["--config", DEBUG, f"transport.addr={addr}", f"total_steps={steps}", "log.progress=false", *PEER]
+    common = ["--config", DEBUG, f"transport.addr={addr}", f"total_steps={steps}", "log.progress=false", *PEER, *SMALL]
     train = start("train", *common, f"run_dir={tmp_path / 't'}")
     roll = start("rollout", *common, f"run_dir={tmp_path / 'r'}")
     wait_for(lambda: (tmp_path / "t" / "metrics.jsonl").is_file()
@@ -108,36 +111,34 @@ def reported_after(log: Path, text: str, killed: float, timeout_s: float) -> flo
     return time.monotonic() - killed
 
 
-def test_killing_the_rollout_side_is_reported_by_the_trainer_in_time(tmp_path):
+LOSSES = {  # side killed -> (the side that reports it, what its log says, the stated bound, its error line)
+    "rollout": ("train", "lost the rollout side", 3 + 2 * 0.5,  # peer_timeout_s + 2 heartbeats
+                r"error: \w+: lost the rollout side: no message from it at tcp://127.0.0.1:\d+ for more than 3s "
+                r"\(transport.peer_timeout_s\)"),
+    "trainer": ("rollout", "has been silent for", 3 + 0.5,  # peer_timeout_s + 1 heartbeat
+                r"error: \w+: the trainer at tcp://127.0.0.1:\d+ has been silent for \d+s \(peer_timeout_s=3\)"),
+}
+
+
+@pytest.mark.parametrize("victim", sorted(LOSSES))
+def test_a_killed_side_is_reported_by_the_other_in_time(tmp_path, victim):
+    reporter, text, bound, pattern = LOSSES[victim]
     train, roll = separate_sides(tmp_path)
+    sides = {"train": (train, tmp_path / "t" / "logs" / "train.log"),
+             "rollout": (roll, tmp_path / "r" / "logs" / "rollout.log")}
     try:
-        killed = kill_child(roll)
-        took = reported_after(tmp_path / "t" / "logs" / "train.log", "lost the rollout side", killed, 30)
-        _, err = train.communicate(timeout=60)
+        killed = kill_child(sides["train" if victim == "trainer" else "rollout"][0])
+        proc, log = sides[reporter]
+        took = reported_after(log, text, killed, 30)
+        print(f"{victim} killed: {reporter} reported it after {took:.1f}s (stated bound {bound:g}s)")
+        _, err = proc.communicate(timeout=60)
     finally:
         train.kill()
         roll.kill()
-    assert took < 3 + 2 * 0.5 + 3  # peer_timeout_s + 2 heartbeats (+ slack for a busy machine)
-    assert train.returncode == 2
+    assert took < bound + 3  # slack for a busy machine
+    assert proc.returncode == 2
     line = err.strip().splitlines()[-1]
-    assert re.match(r"error: \w+: lost the rollout side: no message from it at tcp://127.0.0.1:\d+ for more than 3s "
-                    r"\(transport.peer_timeout_s\)", line), line
-
-
-def test_killing_the_trainer_is_reported_by_the_rollout_side_in_time(tmp_path):
-    train, roll = separate_sides(tmp_path)
-    try:
-        killed = kill_child(train)
-        took = reported_after(tmp_path / "r" / "logs" / "rollout.log", "has been silent for", killed, 30)
-        _, err = roll.communicate(timeout=60)
-    finally:
-        train.kill()
-        roll.kill()
-    assert took < 3 + 0.5 + 3  # peer_timeout_s + 1 heartbeat (+ slack for a busy machine)
-    assert roll.returncode == 2
-    line = err.strip().splitlines()[-1]
-    assert re.match(r"error: \w+: the trainer at tcp://127.0.0.1:\d+ has been silent for \d+s \(peer_timeout_s=3\)",
-                    line), line
+    assert re.match(pattern, line), line
 
 
 def test_a_wrong_server_address_is_one_clear_error(tmp_path):

@@ -168,9 +168,12 @@ def test_no_server_left_is_a_clear_error_not_a_hang(servers):
     dead = servers.urls[1]  # killed by the test before
 
     async def main():
-        pool = ServerPool([HttpGenerationClient(dead)])
+        pool = ServerPool([HttpGenerationClient(dead)], health_interval_s=0.2).start()
         try:
-            await pool.check_health()
+            t0 = time.monotonic()
+            while pool.stats()["pool/unhealthy"] == 0:  # the periodic health check finds it without any request
+                assert time.monotonic() - t0 < 3.0, "the health check did not take the dead server out"
+                await asyncio.sleep(0.05)
             t0 = time.monotonic()
             with pytest.raises(NoServerError, match="no generation server in rotation") as err:
                 await pool.acquire(timeout_s=0.5)
