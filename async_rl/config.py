@@ -138,6 +138,7 @@ class LogConfig:
     level: str = "INFO"  # logging level
     progress: bool = True  # progress bar on the console
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    trajectories: bool = False  # the trainer writes every trajectory it receives to run_dir/trajectories.jsonl
 
 
 @dataclass

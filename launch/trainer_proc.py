@@ -115,6 +115,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     if cores is not None:
         refresh_per_layer(trainer.model, cores)
     metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
+    traj_log = MetricsLogger(run_dir / "trajectories.jsonl", tensorboard=False) if cfg.log.trajectories else None
     queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
                                   heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s)
     logger.info("trainer queue listening on %s", queue.address)
@@ -130,6 +131,8 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             wait_s = time.perf_counter() - t0
             if cores is not None:
                 cores.busy()
+            if traj_log is not None:
+                _log_trajectories(traj_log, groups, step)
             stats = trainer.train_step(groups)
             t1 = time.perf_counter()
             stats.update(publish_weights(publisher, queue, trainer.state_dict(), trainer.policy_version))
@@ -152,4 +155,16 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     finally:
         bar.close()
         metrics.close()
+        if traj_log is not None:
+            traj_log.close()
         queue.close()
+
+
+def _log_trajectories(log: MetricsLogger, groups: list, step: int) -> None:
+    """Every trajectory of a train batch as one JSONL row (`log.trajectories`): audits, reproducibility."""
+    for group in groups:
+        for t in group:
+            log.log({"id": t.id, "group_id": t.group_id, "sample_id": t.info.get("sample_id"), "reward": t.reward,
+                     "prompt_ids": t.prompt_ids.tolist(), "response_ids": t.response_ids.tolist(),
+                     "loss_mask": t.loss_mask.tolist(), "behav_logprobs": t.behav_logprobs.tolist(),
+                     "versions": t.versions.tolist(), "finish_reason": t.finish_reason}, step=step)
