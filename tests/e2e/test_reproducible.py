@@ -41,3 +41,14 @@ def test_async_eta0_trains_the_trajectories_sync_does(tmp_path):
     la = [json.loads(r)["train/loss"] for r in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
     ls = [json.loads(r)["train/loss"] for r in (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()]
     assert max(abs(p - q) for p, q in zip(la, ls)) < 1e-5
+
+
+def test_debug_task_reward_rises(tmp_path):
+    """The debug task's learning signal is well above noise: this fails if learning breaks."""
+    res = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", "configs/debug_cpu.yaml",
+                          f"run_dir={tmp_path}", "total_steps=24", "seed=0", "mode=sync", "log.progress=false"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rewards = [json.loads(r)["train/reward_mean"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
+    assert first < 0.3 and last > first + 0.15, (first, last, rewards)
