@@ -68,14 +68,13 @@ def plain_resources(resources: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")}
 
 
-def fmt(resources: dict[str, float]) -> str:
+def fmt(resources: dict[str, float], always: tuple[str, ...] = ()) -> str:
+    """"CPU 5, memory 0.5 GiB": the non-zero resources, plus the `always` keys."""
     parts = []
     for key in ("CPU", "GPU", "memory"):
         value = resources.get(key, 0.0)
-        if key == "memory":
-            parts.append(f"memory {value / 2**30:.1f} GiB")
-        else:
-            parts.append(f"{key} {value:g}")
+        if value or key in always:
+            parts.append(f"memory {value / 2**30:.1f} GiB" if key == "memory" else f"{key} {value:g}")
     return ", ".join(parts)
 
 
@@ -85,9 +84,10 @@ def cannot_place(slots: list[Slot], where: str, free: dict[str, float], why: str
     for slot in slots:
         roles.setdefault(slot.role, []).append(slot)
     asked = "; ".join(f"{len(group)} {role} x ({fmt(group[0].bundle)})" for role, group in roles.items())
-    return (f"ray: cannot place {len(slots)} bundles [{asked}] = {fmt(total(slots))} on {where}"
-            f"{' (' + why + ')' if why else ''}, which has {fmt(free)} free; lower trainer.world_size, "
-            "rollout.num_servers or the ray.num_cpus_per_* / ray.num_gpus_per_* bundle sizes, or add nodes")
+    why = f" ({why})" if why else ""
+    return (f"ray: cannot place {len(slots)} bundles [{asked}] = {fmt(total(slots))} on {where}{why}, "
+            f"which has {fmt(free, always=('CPU', 'GPU'))} free; lower trainer.world_size, rollout.num_servers "
+            "or the ray.num_cpus_per_* / ray.num_gpus_per_* bundle sizes, or use a larger cluster (ray.address)")
 
 
 def run_entry(cfg: Any, *, entry: str, **kwargs: Any) -> None:

@@ -24,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +104,15 @@ class RayRun:
         self.servers: list[str] = [s.name for s in slots if s.role == "server"]
         self.trainers: list[str] = [s.name for s in slots if s.role == "trainer"]
         self.dead_servers: set[str] = set()
+        self.node_ip: dict[str, str] = {}  # process name -> IP of the node its bundle landed on
+        self.multi_node = False
 
     # ------------------------------------------------------------------ placement
     def place(self, started_here: bool) -> None:
         from ray.util.placement_group import placement_group
 
-        self.pg = placement_group([s.bundle for s in self.slots], strategy="PACK", name=f"async_rl:{os.getpid()}")
+        self.pg = placement_group([s.bundle for s in self.slots], strategy="PACK",
+                                  name=f"async_rl-{Path(self.cfg.run_dir).name}-{uuid.uuid4().hex[:6]}")
         timeout = self.cfg.ray.placement_timeout_s
         ready, _ = self.ray.wait([self.pg.ready()], timeout=timeout)
         if not ready:
@@ -123,12 +127,12 @@ class RayRun:
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)
             self.hosts[slot.name] = actor.options(
                 num_cpus=slot.bundle.get("CPU", 0), num_gpus=slot.bundle.get("GPU", 0),
-                memory=slot.bundle.get("memory"), max_concurrency=4, scheduling_strategy=strategy,
-                name=f"{slot.name}:{os.getpid()}").remote(slot.name, self.cfg.run_dir)
-        ips = self._get_all({n: h.node_ip.remote() for n, h in self.hosts.items()})
-        self.node_ip = ips
-        self.multi_node = len(set(ips.values())) > 1
-        logger.info("placed %d bundles on %d node(s): %s", len(self.slots), len(set(ips.values())), ips)
+                memory=slot.bundle.get("memory"), max_concurrency=4,  # poll and stop while a server starts
+                scheduling_strategy=strategy).remote(slot.name, self.cfg.run_dir)
+        self.node_ip = self._get_all({n: h.node_ip.remote() for n, h in self.hosts.items()})
+        nodes = len(set(self.node_ip.values()))
+        self.multi_node = nodes > 1
+        logger.info("placed %d bundles on %d node(s): %s", len(self.slots), nodes, self.node_ip)
 
     def _host(self, configured: str, name: str) -> str:
         """An address others can reach: the node's IP instead of loopback when the run spans nodes."""
@@ -285,5 +289,6 @@ def run_ray(cfg: Config) -> list[str]:
         run.teardown()
         ray.shutdown()  # stops a cluster started here; only disconnects from a joined one
         _on_sigterm(previous)
-    where = "a local Ray cluster (started and stopped here)" if started_here else f"the Ray cluster at {cfg.ray.address}"
+    where = "a local Ray cluster (started and stopped here)" if started_here else \
+        f"the Ray cluster at {cfg.ray.address}"
     return [f"ray: {len(slots)} bundles placed on {where}", *summary(cfg)]
