@@ -64,10 +64,19 @@ def summary(cfg: Config) -> list[str]:
         lines.append(f"generation servers: {p['pool/servers']}, in rotation at the end: {p['pool/in_rotation']}; "
                      f"fenced {p['pool/fenced_total']} times, out of rotation {p['pool/unhealthy_total']} times; "
                      f"requests moved to another server: {p['pool/reissued']}")
-    evals = {r["when"]: r for r in read_jsonl(Path(cfg.run_dir) / "eval.jsonl")}
+    all_evals = read_jsonl(Path(cfg.run_dir) / "eval.jsonl")
+    evals = {r["when"]: r for r in all_evals}
     if "before" in evals and "after" in evals:
         lines.append(f"greedy accuracy on {evals['before']['eval/n']} held-out problems: "
                      f"before {evals['before']['eval/accuracy']:.3f} -> after {evals['after']['eval/accuracy']:.3f}")
+    periodic = [r for r in all_evals if r["when"] == "periodic"]
+    if periodic:
+        curve = ", ".join(f"v{r['step']} {r['eval/accuracy']:.2f}" for r in periodic)
+        lines.append(f"accuracy during training: {curve}")
+        for threshold in (0.70, 0.75):
+            hit = next((r for r in periodic if r["eval/accuracy"] >= threshold), None)
+            lines.append(f"time to accuracy >= {threshold:.2f}: " + (
+                f"{hit['timing/train_wall_s']:.0f}s of training (version {hit['step']})" if hit else "not reached"))
     return lines
 
 
