@@ -161,9 +161,10 @@ def serve_main(cfg: Config, *, ready_file: str | None = None) -> None:
             if server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        if ready_file:
+        if ready_file:  # started by a launcher, which reads the address and owns the console
             _write_ready(ready_file, url)
-        print(f"serving on {url}", flush=True)
+        else:
+            print(f"serving on {url}", flush=True)
         logger.info("serving %s on %s (%s, %s, torch threads: %d)", cfg.model.name, url, device,
                     next(model.parameters()).dtype, torch.get_num_threads())
 
