@@ -245,17 +245,15 @@ def test_health_model_info_and_metrics(srv):
 
 
 def test_serve_main_prints_one_line_and_stops_on_sigterm(tmp_path):
-    ready = tmp_path / "addr"
     code = ("import sys; from async_rl.config import load_config; from launch.serve import serve_main; "
-            "serve_main(load_config(None, sys.argv[2:]), ready_file=sys.argv[1])")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(ready), "engine.port=0", "engine.num_threads=1",
+            "serve_main(load_config(None, sys.argv[2:]))")  # standalone: no ready file, the address is printed
+    proc = subprocess.Popen([sys.executable, "-c", code, "-", "engine.port=0", "engine.num_threads=1",
                              "engine.kv_cache_mb=8", f"run_dir={tmp_path}"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline().strip()
         assert line.startswith("serving on http://127.0.0.1:"), line + proc.stderr.read()
         url = line.removeprefix("serving on ")
-        assert ready.read_text() == url
         with httpx.Client(base_url=url, trust_env=False, timeout=30) as c:
             assert c.get("/health").status_code == 200
             assert c.post("/generate", json=GOOD).status_code == 200
