@@ -136,6 +136,9 @@ def rollout_main(cfg: Config) -> None:
     procs: list[Any] = []
     addrs = list(cfg.rollout.server_addrs)
     external = bool(addrs)
+    if external and cfg.rollout.num_servers > 1:
+        logger.warning("rollout.server_addrs is set: using its %d servers, not rollout.num_servers=%d",
+                       len(addrs), cfg.rollout.num_servers)
     if not external:
         procs, addrs = start_servers(cfg)
     try:

@@ -113,7 +113,7 @@ def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, re
         await wait_progress(client, pool, b, 3)
         os.kill(frozen.pid, signal.SIGSTOP)  # tokens so far on b are whatever its stream delivered
         t0 = time.monotonic()
-        stats = await update_servers(pool, DiskWeightReceiver(), {"version": 1, "path": servers.weights}, 2.0)
+        stats = await update_servers(pool, DiskWeightReceiver(), {"version": 1, "path": servers.weights}, 3.0)
         took = time.monotonic() - t0
         outs = await asyncio.gather(*tasks)
         after_fence = pool.stats()
@@ -126,7 +126,7 @@ def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, re
 
     stats, took, outs, fenced, still, stats2, again, final = with_pool(servers, body)
     assert stats["sync/servers_fenced"] == 1 and stats["sync/servers_loaded"] == 1
-    assert 2.0 <= took < 6.0  # the late server costs the deadline, not a hang
+    assert 3.0 <= took < 8.0  # the late server costs the deadline, not a hang
     assert fenced["pool/server1/fenced"] == 1 and fenced["pool/in_rotation"] == 1
     assert fenced["pool/reissued"] >= 1 and fenced["pool/reissued_tokens"] >= 3
     assert_same_as_reference(outs, reference)  # moved requests continue exactly where they stopped
