@@ -216,7 +216,7 @@ class RayRun:
                 continue
             if name in self.servers and len(self.dead_servers | {name}) < len(self.servers):
                 if name not in self.dead_servers:  # the rollout side's pool takes it out of rotation
-                    logger.warning("generation server %s stopped: %s", name, why)
+                    logger.warning("%s; the rollout side takes it out of rotation", why)
                     self.dead_servers.add(name)
                 continue
             raise RunFailed(why)
@@ -239,8 +239,7 @@ class RayRun:
 
     def teardown(self) -> None:
         """Stop the processes (rollout first, servers last), end the actors, free the bundles."""
-        order = ["rollout", *self.trainers, *self.servers]
-        for group in (order[:1], order[1:1 + len(self.trainers)], order[1 + len(self.trainers):]):
+        for group in (["rollout"], self.trainers, self.servers):
             refs = [self.hosts[n].stop.remote(STOP_GRACE_S) for n in group if n in self.hosts]
             if refs:
                 self.ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S + 10)
