@@ -122,9 +122,14 @@ def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, re
         still = pool.stats()
         stats2 = await update_servers(pool, DiskWeightReceiver(), {"version": 2, "path": servers.weights}, 10.0)
         again = await asyncio.gather(*(client.generate(prompt_ids(servers.tok, p), GREEDY) for p in PROMPTS))
-        return stats, took, outs, after_fence, still, stats2, again, pool.stats()
+        final = pool.stats()
+        # a server fenced while its load was still under way rejoins when the health check finds it holds
+        # the current version, without waiting for the next update
+        pool.fence(pool.servers[1], "a late load (simulated)")
+        await pool.check_health()
+        return stats, took, outs, after_fence, still, stats2, again, final, pool.stats()
 
-    stats, took, outs, fenced, still, stats2, again, final = with_pool(servers, body)
+    stats, took, outs, fenced, still, stats2, again, final, caught_up = with_pool(servers, body)
     assert stats["sync/servers_fenced"] == 1 and stats["sync/servers_loaded"] == 1
     assert 3.0 <= took < 8.0  # the late server costs the deadline, not a hang
     assert fenced["pool/server1/fenced"] == 1 and fenced["pool/in_rotation"] == 1
@@ -141,6 +146,7 @@ def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, re
     assert final["pool/server1/requests"] > fenced["pool/server1/requests"]
     assert_same_as_reference(again, reference)
     assert all(set(o.output_versions) == {2} for o in again)
+    assert caught_up["pool/server1/fenced"] == 0 and caught_up["pool/rejoined_total"] == final["pool/rejoined_total"] + 1
 
 
 def test_killed_server_leaves_rotation_and_its_requests_finish_elsewhere(servers, reference):
