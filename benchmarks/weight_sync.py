@@ -6,19 +6,27 @@ the rollout side and the engine: a served embedded engine (fp32, same model) wit
 streaming requests in flight, and the transport's receiver loading each version into it
 through the server's routes, exactly as a run does:
 
-- disk: `DiskWeightPublisher` writes the file; the engine loads it (`/update_weights_from_disk`);
-- zmq:  buckets over a real trajectory queue (tcp loopback) into a staged file on this side,
-        then `/update_weights_from_disk` (what real SGLang serves too); `zmq+swap` loads the
-        same staged file with `AsyncEngine.update_weights_from_staged` (memory-mapped, no copy);
+- disk: `DiskWeightPublisher` writes the file; the engine loads it (`/update_weights_from_disk`,
+        a memory-mapped swap at one step boundary);
+- zmq:  chunks over a real trajectory queue (tcp loopback, one-bucket flow-control window) into
+        a staged file on this side, then `/update_weights_from_disk` (what real SGLang serves too);
 - dist: a gloo group; the engine receives the buckets through `/update_weights_from_distributed`.
 
 Per update: seconds from the trainer starting to publish to the engine serving the new
 version; peak extra memory (RSS, sampled every 2 ms, above the level just before) of the
 trainer process and of this process (anonymous memory in brackets: page cache mapped by a
-reader is counted in RSS but not there); the largest gap between two tokens of an in-flight
-request during the update minus the median gap (the interruption: swap + KV recompute).
+reader is counted in RSS but not there); for zmq, the most bytes the trainer had sent and
+the rollout side had not yet acknowledged (the flow-control window: everything the rollout
+side can hold of a version, in kernel buffers, ZeroMQ queues or the handler); the largest gap
+between two tokens of an in-flight request during the update minus the median gap (the
+interruption: swap + KV recompute). The phases of each update (trainer checksums, waits for
+the window, the final drain; receiver checksums and file writes; the engine's map and copy)
+are in the JSON and in a second table. The first `--warmup` updates of each case are run but
+not counted (their times are in the "warm-up s" column): until `keep_last` (2) versions
+exist, each version's file is new and its page cache is fresh memory, 5-10x slower to write
+here than the pages of the pruned version's file, which every later version takes over.
 
-    python benchmarks/weight_sync.py            # tiny + SmolLM2-135M shapes, about 2 min on 2 cores
+    python benchmarks/weight_sync.py            # tiny + SmolLM2-135M shapes, about 3 min on 2 cores
     python benchmarks/weight_sync.py --quick    # tiny only
 
 Writes benchmarks/results/weight_sync.md and .json with the command line.
@@ -54,6 +62,7 @@ from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiv
 from launch.serve import BackgroundServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TRANSPORTS = ("disk", "zmq", "dist")
 MODELS = {  # name -> LlamaConfig kwargs (SmolLM2-135M's real shapes; weights are random)
     "tiny": dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2),
@@ -99,6 +108,21 @@ class PeakMemory:
         return (self.peak[0] - self.base[0]) / 2**20, (self.peak[1] - self.base[1]) / 2**20
 
 
+def transport_cpu_s() -> float:
+    """CPU seconds of this process's threads that carry streamed weights: ZeroMQ's I/O threads (the
+    receive copies) and the queue client's bulk worker (checksums, file writes)."""
+    total = 0.0
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if name.startswith(("ZMQbg", "queue-bulk")):
+            total += (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
 # --------------------------------------------------------------------------- trainer process
 def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, tmp: str, out_q, in_q) -> None:
     torch.set_num_threads(1)
@@ -107,7 +131,7 @@ def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, t
     queue = None
     if transport == "disk":
         pub = DiskWeightPublisher(Path(tmp) / "trainer", keep_last=2)
-    elif transport.startswith("zmq"):
+    elif transport == "zmq":
         queue = TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8)
         out_q.put(("addr", queue.address))
         queue.wait_for_producer(60)
@@ -121,7 +145,10 @@ def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, t
         msg = pub.publish(state, v)
         if msg is not None:
             (queue.broadcast if queue is not None else out_q.put)(msg)
-        out_q.put(("published", v, time.time(), *mem.stop()))
+        stats = dict(getattr(pub, "stats", {}))
+        if queue is not None:
+            stats["queue/bulk_inflight_peak_bytes"] = queue.stats()["queue/bulk_inflight_peak_bytes"]
+        out_q.put(("published", v, time.time(), *mem.stop(), stats))
     if queue is not None:
         in_q.get(timeout=300)
         queue.close()
@@ -191,7 +218,7 @@ async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> lis
     client = HttpGenerationClient(url)
     get = lambda: asyncio.to_thread(out_q.get, True, 300)  # noqa: E731
     queue = receiver = None
-    if transport.startswith("zmq"):
+    if transport == "zmq":
         _, addr = await get()
         queue = TrajectoryQueueClient(addr)
         receiver = ZmqWeightReceiver(Path(tmp) / "rollout", keep_last=2).attach(queue)
@@ -206,28 +233,38 @@ async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> lis
         mem = PeakMemory().start()
         in_q.put("go")
         _, _, t_start = await get()
+        phases = {}
         if transport == "disk":
             msg = await get()
-            _, _, t_pub, *tmem = await get()
-            await client.update_weights_from_disk(msg["path"], v)
-        elif transport.startswith("zmq"):
+            _, _, t_pub, *tmem, tstats = await get()
+            t_staged = time.time()
+            served = await client.update_weights_from_disk(msg["path"], v)
+        elif transport == "zmq":
+            cpu0 = transport_cpu_s()
             msg = await controls.__anext__()
+            t_staged = time.time()
+            phases["rollout_transport_cpu_s"] = transport_cpu_s() - cpu0
             path = await receiver.prepare(msg)
-            if transport == "zmq":
-                await client.update_weights_from_disk(path, v)
-            else:
-                await bg.engine.update_weights_from_staged(path, v)
-            _, _, t_pub, *tmem = await get()
+            served = await client.update_weights_from_disk(path, v)
+            _, _, t_pub, *tmem, tstats = await get()
+            phases.update(receiver.stats)
+            phases["queue/bulk_held_peak_bytes"] = queue.stats()["queue/bulk_held_peak_bytes"]
         else:
             msg = await get()
+            t_staged = time.time()
             await receiver.load(client, await receiver.prepare(msg), v)
-            _, _, t_pub, *tmem = await get()
+            _, _, t_pub, *tmem, tstats = await get()
+            served = {}
         t_done = time.time()
         rss, anon = mem.stop()
         assert bg.engine.weight_version == v
+        phases.update({k: x for k, x in {**tstats, **served}.items() if k.startswith(("sync/", "engine/update",
+                                                                                        "queue/"))})
+        phases["staged_s"] = t_staged - t_start  # trainer start -> the version is staged on this side
         rows.append({"transport": transport, "model": model, "version": v, "update_s": t_done - t_start,
                      "publish_s": t_pub - t_start, "trainer_peak_MB": tmem[0], "trainer_peak_anon_MB": tmem[1],
-                     "rollout_peak_MB": rss, "rollout_peak_anon_MB": anon, "t0": t_start, "t1": t_done})
+                     "rollout_peak_MB": rss, "rollout_peak_anon_MB": anon, "t0": t_start, "t1": t_done,
+                     "phases": phases})
         await asyncio.sleep(0.5)
     in_q.put("stop")
     await asyncio.to_thread(httpx.post, url + "/abort_request", json={"abort_all": True}, trust_env=False,
@@ -243,11 +280,33 @@ async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> lis
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | transport | MB | s / update | trainer publish s | trainer peak extra MB (anon) | "
-             "rollout+engine peak extra MB (anon) | interruption s |", "|---|---|---|---|---|---|---|---|"]
+             "rollout+engine peak extra MB (anon) | rollout side holds at most MB | interruption s | warm-up s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        window = r.get("phases", {}).get("queue/bulk_inflight_peak_bytes")
+        held = "-" if window is None else f"{window / 2**20:.0f}"
         lines.append(f"| {r['model']} | {r['transport']} | {r['MB']:.1f} | {r['update_s']:.2f} | {r['publish_s']:.2f} | "
                      f"{r['trainer_peak_MB']:.0f} ({r['trainer_peak_anon_MB']:.0f}) | {r['rollout_peak_MB']:.0f} "
-                     f"({r['rollout_peak_anon_MB']:.0f}) | {r['interruption_s']:.2f} |")
+                     f"({r['rollout_peak_anon_MB']:.0f}) | {held} | {r['interruption_s']:.2f} | "
+                     f"{' '.join(f'{x:.2f}' for x in r.get('warmup_update_s', [])) or '-'} |")
+    return "\n".join(lines)
+
+
+PHASES = [("staged_s", "staged s"), ("sync/crc_s", "trainer CRC s"), ("sync/window_wait_s", "trainer window wait s"),
+          ("sync/drain_s", "trainer drain s"), ("sync/recv_crc_s", "receiver CRC s"),
+          ("sync/recv_write_s", "receiver write s"), ("engine/update_read_s", "engine map s"),
+          ("engine/update_load_s", "engine copy s"), ("sync/publish_cpu_s", "trainer CPU s"),
+          ("rollout_transport_cpu_s", "rollout transport CPU s")]
+
+
+def phase_table(rows: list[dict]) -> str:
+    """Where the time of each update goes (a dash: the transport has no such phase)."""
+    lines = ["| model | transport | " + " | ".join(title for _, title in PHASES) + " |",
+             "|---|---|" + "---|" * len(PHASES)]
+    for r in rows:
+        ph = r.get("phases", {})
+        cells = [f"{ph[k]:.2f}" if k in ph else "-" for k, _ in PHASES]
+        lines.append(f"| {r['model']} | {r['transport']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -255,10 +314,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the tiny model only")
     ap.add_argument("--models", default="tiny,smollm2-135m", help=f"some of {', '.join(MODELS)}")
-    ap.add_argument("--rounds", type=int, default=2, help="updates per case (the median is reported)")
+    ap.add_argument("--rounds", type=int, default=3, help="updates per case counted (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="updates per case run first and not counted")
     ap.add_argument("--bucket-mb", type=float, default=128.0, help="weight_sync.bucket_mb")
-    ap.add_argument("--transports", default="disk,zmq,zmq+swap,dist")
+    ap.add_argument("--transports", default="disk,zmq,dist", help="some of disk, zmq, dist")
     args = ap.parse_args()
+    unknown = sorted(set(args.transports.split(",")) - set(TRANSPORTS))
+    if unknown:
+        ap.error(f"--transports: {', '.join(unknown)} unknown (allowed: {', '.join(TRANSPORTS)})")
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads // 2))
     rows = []
@@ -266,14 +329,17 @@ def main() -> None:
     for model in ["tiny"] if args.quick else args.models.split(","):
         mb = sum(p.numel() * p.element_size() for p in build(model, 0).parameters()) / 2**20
         for transport in args.transports.split(","):
-            runs = run_case(transport, model, args.rounds, args.bucket_mb)
-            best = sorted(runs, key=lambda r: r["update_s"])[len(runs) // 2]
-            rows.append({**best, "MB": mb, "all_update_s": [r["update_s"] for r in runs]})
+            runs = run_case(transport, model, args.warmup + args.rounds, args.bucket_mb)
+            counted = runs[args.warmup:]
+            best = sorted(counted, key=lambda r: r["update_s"])[len(counted) // 2]
+            rows.append({**best, "MB": mb, "all_update_s": [r["update_s"] for r in counted],
+                         "warmup_update_s": [r["update_s"] for r in runs[:args.warmup]]})
             print(table(rows[-1:]), flush=True)
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     cpu = torch.backends.cpu.get_cpu_capability()
     for r in rows:
-        r.update(command=cmd, load_avg=f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}", bucket_mb=args.bucket_mb)
+        r.update(command=cmd, load_avg=f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}", bucket_mb=args.bucket_mb,
+                 warmup=args.warmup)
     write(rows, {"cpus": os.cpu_count(), "cpu_capability": cpu, "torch_threads": threads})
 
 
@@ -284,17 +350,18 @@ def write(rows: list[dict], meta: dict) -> None:
     old = json.loads(path.read_text())["rows"] if path.is_file() else []
     mine = {(r["model"], r["transport"]) for r in rows}
     order = {m: i for i, m in enumerate(MODELS)}
-    merged = sorted([r for r in old if (r["model"], r["transport"]) not in mine] + rows,
-                    key=lambda r: (order.get(r["model"], 9), r["transport"]))
+    kept = [r for r in old if (r["model"], r["transport"]) not in mine and r["transport"] in TRANSPORTS]
+    merged = sorted(kept + rows, key=lambda r: (order.get(r["model"], 9), r["transport"]))
     path.write_text(json.dumps({**meta, "rows": merged}, indent=1) + "\n")
     commands = sorted({f"`{r['command']}` (load average {r['load_avg']})" for r in merged})
-    text = table(merged)
+    text = table(merged) + "\n\nWhere the time goes (the same updates):\n\n" + phase_table(merged)
     print(text)
     (RESULTS / "weight_sync.md").write_text(
         "# Weight sync: seconds per update, peak extra memory, interruption\n\n"
         f"{meta['cpus']} cores ({meta['cpu_capability']}), torch threads {meta['torch_threads']} (half to the "
-        "engine); fp32 weights; the median of the updates of each case. See the script's docstring for what "
-        "each column measures. Made by:\n\n" + "\n".join(f"- {c}" for c in commands) + "\n\n" + text + "\n")
+        "engine); fp32 weights; the median of the counted updates of each case (after the warm-up ones). See the "
+        "script's docstring for what each column measures. Made by:\n\n" + "\n".join(f"- {c}" for c in commands)
+        + "\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

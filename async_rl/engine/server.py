@@ -4,7 +4,8 @@
                                     "rid", "stream", ...}; sampling_params.n > 1 answers a list (rids "<rid>_<i>")
     POST /pause_generation         {"mode": "abort" | "retract" (our default) | "in_place"}
     POST /continue_generation
-    POST /update_weights_from_disk {"model_path", "weight_version"}: load, recompute KV, continue
+    POST /update_weights_from_disk {"model_path", "weight_version"}: swap in from a memory map at a step
+                                   boundary, recompute KV, continue (a version not newer is refused)
     GET|POST /flush_cache          drop the prefix cache (400 while requests are running)
     POST /abort_request            {"rid"} or {"abort_all": true}
     GET  /health, /health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics
@@ -44,6 +45,7 @@ from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError, Reques
 from async_rl.engine.llm_engine import EngineInputError
 from async_rl.engine.sglang_api import finish_reason_json, logprob_entries, parse_version, version_spans
 from async_rl.types import GenerationOutput, SamplingParams
+from async_rl.weight_sync.staging import WeightVersionError
 
 logger = logging.getLogger(__name__)
 
@@ -222,10 +224,15 @@ class _Control:
             if version is None:
                 raise ApiError(400, f"weight_version: must be an integer (this engine numbers policy versions), "
                                     f"got {req.weight_version!r}")
+        if version <= self.engine.weight_version:  # checked again at the swap; here so nothing is aborted
+            raise ApiError(400, f"weight_version: {version} is not newer than the version in use "
+                                f"({self.engine.weight_version}); a version going backwards is refused")
         aborted = await self.engine.abort_all() if req.abort_all_requests else 0
-        try:
-            stats = await self.engine.update_weights_from_disk(req.model_path, version)
+        try:  # memory-mapped: each tensor is copied once into the model; names and shapes checked first
+            stats = await self.engine.update_weights_from_staged(req.model_path, version)
         except FileNotFoundError as exc:
+            raise ApiError(400, str(exc)) from None
+        except WeightVersionError as exc:
             raise ApiError(400, str(exc)) from None
         except EngineStoppedError:
             raise

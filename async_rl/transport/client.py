@@ -5,11 +5,17 @@
     await client.put_group(trajectories)      # waits for credits: backpressure from the trainer
     async for control in client.controls():   # {"kind": "weights", ...}, {"kind": "stop", ...}
         ...
+
+BULK messages (weight buckets) go to the handler registered for their kind with `on_control`,
+run one at a time in a worker thread (so a bucket's checksum and write do not stall the event
+loop), with their data frames as `body["parts"]` (buffers valid during the call); the client
+drops the frames and then answers BULK_ACK, which is what lets the trainer send more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import socket
@@ -23,8 +29,8 @@ import zmq
 import zmq.asyncio
 
 from async_rl.transport.messages import (
-    MAX_ID_CHARS, TO_ROLLOUT, Bye, Control, Credit, Group, Heartbeat, Hello, Message, TrainerHeartbeat, Welcome,
-    pack, unpack)
+    BULK, MAX_ID_CHARS, TO_ROLLOUT, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
+    TrainerHeartbeat, Welcome, pack, unpack)
 from async_rl.transport.queue import PeerTimeoutError, PeerUnreachableError, _check_addr, _check_timing
 from async_rl.types import Trajectory, WireFormatError, new_id
 
@@ -76,7 +82,10 @@ class TrajectoryQueueClient:
         self._closed = False
         self._last_seen = time.monotonic()
         self._tasks: list[asyncio.Task] = []
-        self._counts = {"queue/sent": 0, "queue/resent": 0, "queue/sessions": 0, "queue/malformed": 0}
+        self._counts = {"queue/sent": 0, "queue/resent": 0, "queue/sessions": 0, "queue/malformed": 0,
+                        "queue/bulk_received": 0, "queue/bulk_held_peak_bytes": 0}
+        self._bulk_held = 0  # bytes of BULK frames taken off the socket and not yet released
+        self._bulk_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def unacked(self) -> int:
@@ -88,7 +97,8 @@ class TrajectoryQueueClient:
         return max(0, self._granted - self._sent) if self._registered else 0
 
     def stats(self) -> dict[str, int]:
-        return {"queue/credits": self.credits, "queue/unacked": self.unacked, **self._counts}
+        return {"queue/credits": self.credits, "queue/unacked": self.unacked, **self._counts,
+                "queue/bulk_held_bytes": self._bulk_held}
 
     async def connect(self, timeout_s: float = 30.0) -> None:
         """Say HELLO and wait for WELCOME; raises PeerUnreachableError if nobody answers in time."""
@@ -154,7 +164,9 @@ class TrajectoryQueueClient:
 
     def on_control(self, kind: str, handler: Callable[[dict[str, Any]], None]) -> None:
         """Hand CONTROL maps of `kind` to `handler` as they arrive (in the receive task, in order with
-        the rest) instead of queueing them for `controls()`; e.g. weight buckets written to disk at once."""
+        the rest) instead of queueing them for `controls()`; e.g. weight buckets written to disk at once.
+        BULK messages of `kind` go to it too, in the worker thread; a str it returns is the rejection
+        reason sent back in BULK_ACK."""
         self._handlers[kind] = handler
 
     def _dispatch(self, body: dict[str, Any]) -> None:
@@ -198,6 +210,8 @@ class TrajectoryQueueClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._bulk_pool is not None:
+            self._bulk_pool.shutdown(wait=False)
         self._fail_waiters(RuntimeError("the queue client was closed before this group was sent"))
         if self._sock is not None:
             self._sock.close(linger=1000)  # lets BYE leave
@@ -213,9 +227,12 @@ class TrajectoryQueueClient:
 
     def _parse(self, frames: list[zmq.Frame]) -> Message | None:
         try:
-            if len(frames) != 2:
+            bulk = len(frames) >= 2 and frames[0].bytes == BULK
+            if len(frames) != 2 and not bulk:
                 raise WireFormatError(f"expected frames [kind, payload], got {len(frames)} frames")
             msg = unpack(frames[0].bytes, frames[1].buffer, TO_ROLLOUT)
+            if bulk:
+                msg = msg.with_parts([f.buffer for f in frames[2:]])
         except WireFormatError as exc:
             self._counts["queue/malformed"] += 1
             logger.warning("malformed message from the trainer at %s dropped: %s", self.addr, exc)
@@ -307,7 +324,36 @@ class TrajectoryQueueClient:
                     await self._hello()
             elif isinstance(msg, Welcome) and msg.session == self._session:
                 self._on_welcome(msg)
+            elif isinstance(msg, Bulk):
+                seq, msg = msg.seq, await self._handle_bulk(msg)  # drops the frames before the ack goes
+                await self._send(BulkAck(seq=seq, error=msg))
             self._kick.set()
+
+    async def _handle_bulk(self, msg: Bulk) -> str:
+        """Run the BULK's handler in the worker thread; return the rejection reason ("" if accepted)."""
+        nbytes = sum(msg.part_bytes)
+        self._bulk_held += nbytes
+        self._counts["queue/bulk_received"] += 1
+        self._counts["queue/bulk_held_peak_bytes"] = max(self._counts["queue/bulk_held_peak_bytes"], self._bulk_held)
+        if self._bulk_pool is None:
+            self._bulk_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="queue-bulk")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._bulk_pool, self._run_bulk, msg)
+        finally:
+            self._bulk_held -= nbytes
+
+    def _run_bulk(self, msg: Bulk) -> str:
+        kind = msg.body["kind"]
+        handler = self._handlers.get(kind)
+        if handler is None:
+            logger.warning("bulk message of kind %r dropped: no handler on this producer", kind)
+            return f"no handler for {kind!r} on producer {self.producer_id}"
+        try:
+            result = handler({**msg.body, "parts": list(msg.parts)})
+        except Exception as exc:  # a handler's bug must not stop the receive task
+            logger.exception("bulk handler for %r failed", kind)
+            return f"{type(exc).__name__}: {exc}"
+        return result if isinstance(result, str) else ""
 
     async def _heartbeats(self) -> None:
         while True:

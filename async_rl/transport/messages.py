@@ -1,9 +1,14 @@
 """The message kinds of the trajectory queue, their wire forms, and their checks on receipt.
 
 A message travels as two zmq frames, `[kind, codec.encode(msg.to_wire())]`. Rollout ->
-trainer: HELLO, GROUP, HB (`Heartbeat`), BYE. Trainer -> rollout: WELCOME, CREDIT,
-CONTROL, HB (`TrainerHeartbeat`). `unpack` turns frames into a message of a kind the
+trainer: HELLO, GROUP, HB (`Heartbeat`), BYE, BULK_ACK. Trainer -> rollout: WELCOME, CREDIT,
+CONTROL, HB (`TrainerHeartbeat`), BULK. `unpack` turns frames into a message of a kind the
 receiving side accepts and raises `WireFormatError` naming the bad field otherwise.
+
+BULK is the one message with more frames: `[BULK, header, data frame, ...]`, a CONTROL-like
+map whose large payload (a weight bucket) follows as raw frames, sent zero-copy from the
+sender's memory. Each BULK is answered by a BULK_ACK once handled; see `bulk.py` for the
+byte window that this acknowledgement drives.
 
 Credit counts are cumulative within a session (from one WELCOME to the next):
 `granted` is every credit the trainer has granted the producer, and a producer's
@@ -25,6 +30,8 @@ MAX_ID_CHARS = 200
 
 HELLO, GROUP, HEARTBEAT, BYE = b"HELLO", b"GROUP", b"HB", b"BYE"
 WELCOME, CREDIT, CONTROL = b"WELCOME", b"CREDIT", b"CONTROL"
+BULK, BULK_ACK = b"BULK", b"BULK_ACK"
+MAX_ERROR_CHARS = 2000
 
 _MISSING = object()
 
@@ -220,9 +227,65 @@ class TrainerHeartbeat:
         return cls(granted=_count(d, "granted", "HB", 0), registered=_get(d, "registered", bool, "HB", True))
 
 
-Message = Union[Hello, Group, Heartbeat, Bye, Welcome, Credit, Control, TrainerHeartbeat]
-TO_TRAINER: Mapping[bytes, type] = {m.KIND: m for m in (Hello, Group, Heartbeat, Bye)}
-TO_ROLLOUT: Mapping[bytes, type] = {m.KIND: m for m in (Welcome, Credit, Control, TrainerHeartbeat)}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bulk:
+    """A CONTROL-like `body` whose payload travels as raw frames after the header (`parts`, each
+    `part_bytes[i]` long); `seq` numbers the trainer's BULKs. The producer answers BULK_ACK."""
+
+    KIND: ClassVar[bytes] = BULK
+    seq: int
+    body: dict[str, Any]
+    part_bytes: tuple[int, ...] = ()
+    parts: tuple[Any, ...] = ()  # buffers; attached on receipt by `with_parts`
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"seq": self.seq, "body": self.body, "part_bytes": list(self.part_bytes)}
+
+    def frames(self) -> list[Any]:
+        """[BULK, header, *parts]: the parts go as they are (zero-copy when sent with copy=False)."""
+        return [BULK, encode(self.to_wire()), *self.parts]
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Bulk":
+        body = _get(d, "body", dict, "BULK")
+        try:
+            Control.from_wire(body)
+        except WireFormatError as exc:
+            raise WireFormatError(f"BULK.body: {exc}") from None
+        sizes = _get(d, "part_bytes", list, "BULK")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in sizes):
+            raise WireFormatError("BULK.part_bytes: expected a list of byte counts >= 0")
+        return cls(seq=_count(d, "seq", "BULK"), body=body, part_bytes=tuple(sizes))
+
+    def with_parts(self, parts: list[Any]) -> "Bulk":
+        """This message with its data frames; WireFormatError if they are not the ones announced."""
+        got = [memoryview(p).nbytes for p in parts]
+        if got != list(self.part_bytes):
+            raise WireFormatError(f"BULK.part_bytes: announced {len(self.part_bytes)} frames of "
+                                  f"{sum(self.part_bytes)} bytes, got {len(got)} of {sum(got)} (truncated?)")
+        return Bulk(seq=self.seq, body=self.body, part_bytes=self.part_bytes, parts=tuple(parts))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BulkAck:
+    """A producer has handled BULK `seq` (and every earlier one) and dropped its frames; `error` is
+    why its handler rejected it ("" when accepted)."""
+
+    KIND: ClassVar[bytes] = BULK_ACK
+    seq: int
+    error: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"seq": self.seq, "error": self.error[:MAX_ERROR_CHARS]}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "BulkAck":
+        return cls(seq=_count(d, "seq", "BULK_ACK"), error=_get(d, "error", str, "BULK_ACK", ""))
+
+
+Message = Union[Hello, Group, Heartbeat, Bye, Welcome, Credit, Control, TrainerHeartbeat, Bulk, BulkAck]
+TO_TRAINER: Mapping[bytes, type] = {m.KIND: m for m in (Hello, Group, Heartbeat, Bye, BulkAck)}
+TO_ROLLOUT: Mapping[bytes, type] = {m.KIND: m for m in (Welcome, Credit, Control, TrainerHeartbeat, Bulk)}
 
 
 def pack(msg: Message) -> list[bytes]:

@@ -19,6 +19,8 @@ Example (trainer side; the rollout side runs `TrajectoryQueueClient` from `clien
     print(server.address)                     # tcp://127.0.0.1:<port>, give it to producers
     groups = server.get_groups(32, timeout=60) # whole groups, >= 32 trajectories, acknowledged
     server.broadcast({"kind": "weights", "version": 1, "path": "/w/v1.safetensors"})
+    ticket = server.broadcast({"kind": "weights_bucket", ...}, 60, parts=[array], window_bytes=128 << 20)
+    ticket.wait(60)                           # every producer has handled it (see bulk.py)
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from typing import Any
 
 import zmq
 
+from async_rl.transport.bulk import BulkLedger, BulkTicket
 from async_rl.transport.codec import encode
 from async_rl.transport.messages import (
-    CONTROL, TO_TRAINER, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
+    CONTROL, TO_TRAINER, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
     TrainerHeartbeat, Welcome, pack, unpack)
 from async_rl.types import Trajectory, WireFormatError
 
@@ -144,6 +147,7 @@ class TrajectoryQueueServer:
         self._owner: dict[str, bytes] = {}  # trajectory id -> producer identity, until acknowledged
         self._seen = _RecentIds(dedup_window)
         self._outbox: deque[tuple[str, Any]] = deque()
+        self._bulk = BulkLedger()  # bytes of BULK messages each producer has not acknowledged yet
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closed = threading.Event()
@@ -193,12 +197,19 @@ class TrajectoryQueueServer:
             self._counts["queue/consumed"] += len(ids)
         self._post("ack", ids)
 
-    def broadcast(self, control: dict[str, Any], wait_s: float | None = None) -> None:
+    def broadcast(self, control: dict[str, Any], wait_s: float | None = None, *, parts: list[Any] | None = None,
+                  window_bytes: int | None = None) -> BulkTicket | None:
         """Send a CONTROL map (with a string "kind"; may hold large bytes or arrays) to every producer.
 
         With `wait_s`, return only once ZeroMQ has handed the frame to every producer's connection
-        (so a sender of large payloads holds one at a time), or raise TimeoutError after `wait_s`."""
+        (so a sender of large payloads holds one at a time), or raise TimeoutError after `wait_s`.
+
+        With `parts` (buffers), send a BULK instead: the map, then the parts as raw frames straight
+        from their memory (keep them unchanged until the ticket's `wait` returns). It waits up to
+        `wait_s` for room in every producer's `window_bytes` (see bulk.py), then returns a ticket."""
         Control.from_wire(control)  # reject a map producers would reject, here, with the same message
+        if parts is not None:
+            return self._broadcast_bulk(control, parts, wait_s, window_bytes)
         if wait_s is None:
             self._post("control", encode(control))
             return
@@ -212,9 +223,25 @@ class TrajectoryQueueServer:
             raise TimeoutError(f"trajectory queue at {self.address}: a {control.get('kind')!r} message was not "
                                f"sent within {wait_s:g}s") from None
 
+    def _broadcast_bulk(self, control: dict[str, Any], parts: list[Any], wait_s: float | None,
+                        window_bytes: int | None) -> BulkTicket:
+        if not isinstance(window_bytes, int) or window_bytes < 1:
+            raise ValueError(f"broadcast: window_bytes must be an integer >= 1 with parts, got {window_bytes!r}")
+        sizes = tuple(memoryview(p).nbytes for p in parts)
+        self._raise_if_stopped()
+        try:
+            seq, targets = self._bulk.reserve(sum(sizes), window_bytes, wait_s)
+        except TimeoutError:
+            raise TimeoutError(f"trajectory queue at {self.address}: no producer room for a {control['kind']!r} "
+                               f"message ({sum(sizes)} bytes, window {window_bytes}) within {wait_s:g}s") from None
+        self._post("bulk", (seq, targets, Bulk(seq=seq, body=control, part_bytes=sizes, parts=tuple(parts))))
+        return BulkTicket(self._bulk, seq, sum(sizes))
+
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {"queue/depth": self._buffered, "queue/unacked": len(self._handed), **self._counts}
+            return {"queue/depth": self._buffered, "queue/unacked": len(self._handed), **self._counts,
+                    "queue/bulk_inflight_peak_bytes": self._bulk.peak_inflight,
+                    "queue/bulk_rejected": self._bulk.rejected}
 
     def wait_for_producer(self, timeout: float | None = None) -> None:
         """Block until at least one producer has said HELLO; raises QueueTimeout."""
@@ -228,6 +255,7 @@ class TrajectoryQueueServer:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._bulk.close()
         self._wake()
         self._thread.join(10)
         os.close(self._wake_r)
@@ -309,6 +337,7 @@ class TrajectoryQueueServer:
                 logger.info("producer %s starts a new session (its %d held credits are freed)",
                             producer.name, producer.held)
             self._producers[identity] = _Producer(identity, msg.producer_id)
+            self._bulk.open(identity)
             self._set_producer_count()
             logger.info("producer %s connected", msg.producer_id)
             self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session))
@@ -325,8 +354,11 @@ class TrajectoryQueueServer:
             if msg.want > producer.granted and producer.want <= producer.granted:
                 producer.waiting_since = time.monotonic()
             producer.want = msg.want
+        elif isinstance(msg, BulkAck):
+            self._bulk.ack(identity, msg.seq, msg.error, producer.name)
         elif isinstance(msg, Bye):
             del self._producers[identity]
+            self._bulk.drop(identity)
             self._set_producer_count()
             logger.info("producer %s left%s", producer.name, f": {msg.reason}" if msg.reason else "")
 
@@ -365,6 +397,13 @@ class TrajectoryQueueServer:
                 for identity in list(self._producers):
                     self._send_frames(identity, [CONTROL, item])
                 del item  # a tracked frame completes once no reference is left
+            elif what == "bulk":
+                seq, targets, bulk = item
+                frames = bulk.frames()
+                for identity in targets:
+                    if identity not in self._producers or not self._send_frames(identity, frames):
+                        self._bulk.forget(identity, seq)
+                del item, bulk, frames
             else:
                 for tid in item:
                     identity = self._owner.pop(tid, None)
@@ -398,6 +437,7 @@ class TrajectoryQueueServer:
             silent = now - p.last_seen
             if silent > self.peer_timeout_s:
                 del self._producers[identity]
+                self._bulk.drop(identity)
                 self._count("queue/lost_producers")
                 logger.warning("producer %s silent for %.0fs (peer_timeout_s=%g): dropped; its buffered "
                                "trajectories stay, its %d unused credits are freed", p.name, silent,
@@ -409,12 +449,14 @@ class TrajectoryQueueServer:
     def _send(self, identity: bytes, msg: Message) -> None:
         self._send_frames(identity, pack(msg))
 
-    def _send_frames(self, identity: bytes, frames: list[bytes]) -> None:
+    def _send_frames(self, identity: bytes, frames: list[bytes]) -> bool:
         try:
             self._sock.send_multipart([identity, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:  # peer gone (EHOSTUNREACH); credits heal with the next message
             self._count("queue/send_failed")
             logger.debug("send to %r failed: %s", identity[:40], exc)
+            return False
+        return True
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._cond:

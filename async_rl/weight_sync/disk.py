@@ -5,7 +5,10 @@ its file system) loads that path into each server. The streaming transports (`zm
 `dist.py`) stage files of the same format on the receiving side.
 
 Files are written under a temporary name and renamed, so a reader never sees half a
-file. Tensors that are one tensor in the model (a tied embedding and LM head) are
+file: the publisher lays a version out as the streaming transports do (`layout.py`) and
+writes the model's tensors straight into a `staging.StagedFile`, taking over the file of
+the version it is about to prune when nobody is reading it (no serialised copy, no fresh
+page cache). Tensors that are one tensor in the model (a tied embedding and LM head) are
 stored once; the other names are recorded in the file's metadata (`aliases`) and
 `load_weights` restores them, so `model.load_state_dict(load_weights(path))` works
 strictly. A reader that ignores the metadata (the engine) gets one name per tied pair.
@@ -15,16 +18,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from async_rl.weight_sync.layout import unique_tensors
+from async_rl.weight_sync.layout import WeightLayout
+from async_rl.weight_sync.staging import StagedFile
+
+WRITE_BYTES = 64 << 20  # the publisher writes a version in pieces of this size (views of the model: no copy)
 
 logger = logging.getLogger(__name__)
 
@@ -35,27 +40,16 @@ def weights_filename(version: int) -> str:
     return f"weights_v{version:06d}.safetensors"
 
 
-def _dedup(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(CPU contiguous tensors sharing no storage, {dropped name: kept name} for identical tensors)."""
-    tensors, aliases = unique_tensors(state_dict)
-    seen: set[int] = set()
-    for name, t in tensors.items():
-        t = t.to("cpu")
-        storage = t.untyped_storage()
-        whole = t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
-        if not whole or storage.data_ptr() in seen:  # a view of something else: give it its own bytes
-            t = t.clone(memory_format=torch.contiguous_format)
-        seen.add(storage.data_ptr())
-        tensors[name] = t
-    return tensors, aliases
+def stale_files(directory: Path, version: int, keep_last: int) -> list[Path]:
+    """Weight files more than `keep_last` versions older than `version`, oldest first."""
+    found = [(int(m.group(1)), f) for f in directory.iterdir() if (m := _NAME.match(f.name))]
+    return [f for v, f in sorted(found) if v <= version - keep_last]
 
 
 def prune(directory: Path, version: int, keep_last: int) -> None:
     """Remove weight files more than `keep_last` versions older than `version`."""
-    for f in directory.iterdir():
-        m = _NAME.match(f.name)
-        if m and int(m.group(1)) <= version - keep_last:
-            f.unlink(missing_ok=True)
+    for f in stale_files(directory, version, keep_last):
+        f.unlink(missing_ok=True)
 
 
 def check_keep_last(keep_last: int) -> int:
@@ -79,11 +73,16 @@ class DiskWeightPublisher:
         """Write `state_dict` as version `version`; return the message telling readers where it is."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version: must be an integer >= 0, got {version!r}")
-        tensors, aliases = _dedup(state_dict)
-        out = self.path_for(version)
-        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-        save_file(tensors, str(tmp), metadata={"policy_version": str(version), "aliases": json.dumps(aliases)})
-        os.replace(tmp, out)
+        layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=WRITE_BYTES)
+        stale = stale_files(self.dir, version, self.keep_last)
+        stage = StagedFile(self.path_for(version), layout, reuse=stale[0] if stale else None)
+        try:
+            for index, (start, end) in enumerate(layout.buckets):
+                stage.write(index, layout.read(tensors, start, end))
+        except BaseException:
+            stage.abandon()
+            raise
+        out = stage.finish()
         prune(self.dir, version, self.keep_last)
         logger.debug("published weights v%d to %s", version, out)
         return {"kind": "weights", "version": version, "path": str(out)}

@@ -4,12 +4,14 @@ A version is laid out exactly as a safetensors file: the distinct tensors of the
 dict (a tied embedding / LM head is stored once, its other name kept as an alias) are
 packed back to back, in the order given, into one data section; the header (JSON: name
 -> dtype, shape, data offsets; metadata with the policy version and the aliases)
-precedes it. The data section is cut into buckets, byte ranges of at most `bucket_bytes`.
-A transport ships byte ranges of the data section, so a receiver writes each one straight
-to its place in a file and never holds more than one bucket, and the finished file is an
-ordinary safetensors file (`disk.load_weights` reads it).
+precedes it. The data section is cut into buckets, byte ranges of at most `bucket_bytes`,
+and each bucket into chunks of at most `chunk_bytes` (the unit a streaming transport sends
+and checks; by default a chunk is the whole bucket). A transport ships byte ranges of the
+data section, so a receiver writes each one straight to its place in a file and never
+holds more than one bucket, and the finished file is an ordinary safetensors file
+(`disk.load_weights` reads it).
 
-    layout = WeightLayout.from_state_dict(model.state_dict(), version=3, bucket_bytes=128 << 20)
+    layout, tensors = WeightLayout.from_state_dict(model.state_dict(), version=3, bucket_bytes=128 << 20)
     for k, (start, end) in enumerate(layout.buckets):
         parts = layout.read(tensors, start, end)   # uint8 views, no copy on CPU
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,11 @@ import numpy as np
 import torch
 
 from async_rl.types import WireFormatError
+
+try:  # ISA-L's CRC-32: the same checksum as zlib's, 3-8x faster here (12-30 GB/s against 3.5)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
+    from zlib import crc32 as _crc32
 
 # safetensors dtype names; the wire and SGLang's requests use the torch names ("float32" or "torch.float32")
 DTYPES: dict[str, tuple[str, torch.dtype]] = {
@@ -54,7 +60,7 @@ def crc32(parts: Iterable[Any]) -> int:
     """CRC-32 of the concatenated bytes of `parts` (buffers), without concatenating them."""
     crc = 0
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        crc = _crc32(part, crc)
     return crc
 
 
@@ -94,14 +100,18 @@ class WeightLayout:
     """Tensor entries packed in order, the safetensors header, and the bucket plan."""
 
     def __init__(self, entries: list[TensorEntry], *, version: int, bucket_bytes: int,
-                 aliases: Mapping[str, str] | None = None):
+                 aliases: Mapping[str, str] | None = None, chunk_bytes: int | None = None):
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise ValueError(f"version: must be an integer >= 0, got {version!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"weight_sync.bucket_mb: a bucket must hold at least one byte, got {bucket_bytes!r}")
+        chunk_bytes = bucket_bytes if chunk_bytes is None else chunk_bytes
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= bucket_bytes:
+            raise ValueError(f"chunk_bytes: must be an integer in [1, bucket_bytes={bucket_bytes}], got {chunk_bytes!r}")
         self.entries = entries
         self.version = version
         self.bucket_bytes = bucket_bytes
+        self.chunk_bytes = chunk_bytes
         self.aliases = dict(aliases or {})
         self.data_len = entries[-1].end if entries else 0
         self.buckets = [(s, min(s + bucket_bytes, self.data_len)) for s in range(0, self.data_len, bucket_bytes)]
@@ -109,7 +119,8 @@ class WeightLayout:
 
     @classmethod
     def from_specs(cls, names: list[str], dtypes: list[Any], shapes: list[Any], *, version: int,
-                   bucket_bytes: int, aliases: Mapping[str, str] | None = None) -> "WeightLayout":
+                   bucket_bytes: int, aliases: Mapping[str, str] | None = None,
+                   chunk_bytes: int | None = None) -> "WeightLayout":
         """Pack tensors named in order (SGLang's names / dtypes / shapes lists)."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names, dtypes, shapes: must have the same length, got "
@@ -126,17 +137,22 @@ class WeightLayout:
             size = int(np.prod(shape, dtype=np.int64)) * DTYPES[dname][1].itemsize
             entries.append(TensorEntry(name=name, dtype=dname, shape=tuple(shape), start=offset, end=offset + size))
             offset += size
-        return cls(entries, version=version, bucket_bytes=bucket_bytes, aliases=aliases)
+        return cls(entries, version=version, bucket_bytes=bucket_bytes, aliases=aliases, chunk_bytes=chunk_bytes)
 
     @classmethod
-    def from_state_dict(cls, state_dict: Mapping[str, Any], *, version: int,
-                        bucket_bytes: int) -> tuple["WeightLayout", dict[str, torch.Tensor]]:
+    def from_state_dict(cls, state_dict: Mapping[str, Any], *, version: int, bucket_bytes: int,
+                        chunk_bytes: int | None = None) -> tuple["WeightLayout", dict[str, torch.Tensor]]:
         """The layout of a state dict and its distinct tensors, by name."""
         tensors, aliases = unique_tensors(state_dict)
         layout = cls.from_specs(list(tensors), [t.dtype for t in tensors.values()],
                                 [list(t.shape) for t in tensors.values()], version=version,
-                                bucket_bytes=bucket_bytes, aliases=aliases)
+                                bucket_bytes=bucket_bytes, aliases=aliases, chunk_bytes=chunk_bytes)
         return layout, tensors
+
+    def chunks(self, index: int) -> list[tuple[int, int]]:
+        """Bucket `index` cut into byte ranges of at most `chunk_bytes`, in order."""
+        start, end = self.buckets[index]
+        return [(s, min(s + self.chunk_bytes, end)) for s in range(start, end, self.chunk_bytes)]
 
     def per_tensor(self) -> "WeightLayout":
         """The same tensors with one bucket per tensor (SGLang's default: a broadcast per tensor)."""
@@ -151,7 +167,8 @@ class WeightLayout:
                 "shapes": [list(e.shape) for e in self.entries]}
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "bucket_bytes": self.bucket_bytes, "aliases": self.aliases,
+        return {"version": self.version, "bucket_bytes": self.bucket_bytes, "chunk_bytes": self.chunk_bytes,
+                "aliases": self.aliases,
                 "num_buckets": len(self.buckets), "data_len": self.data_len, **self.specs()}
 
     @classmethod
@@ -161,7 +178,8 @@ class WeightLayout:
             raise WireFormatError(f"weights manifest: expected a map, got {type(d).__name__}")
         try:
             layout = cls.from_specs(d["names"], d["dtypes"], d["shapes"], version=d["version"],
-                                    bucket_bytes=d["bucket_bytes"], aliases=d.get("aliases") or {})
+                                    bucket_bytes=d["bucket_bytes"], aliases=d.get("aliases") or {},
+                                    chunk_bytes=d.get("chunk_bytes"))
         except KeyError as exc:
             raise WireFormatError(f"weights manifest.{exc.args[0]}: missing") from None
         except (TypeError, ValueError) as exc:

@@ -1,28 +1,36 @@
 """The `zmq` weight transport: a version streams in checksummed buckets over the trajectory queue.
 
-Trainer -> rollout, in order on the queue's connection (CONTROL maps):
+Trainer -> rollout, in order on the queue's connection:
 
-    {"kind": "weights_manifest", "version", "names", "dtypes", "shapes", "aliases", "bucket_bytes", ...}
-    {"kind": "weights_bucket", "version", "index", "crc32", "parts": [uint8 arrays]}   x num_buckets
-    {"kind": "weights", "version", "transport": "zmq", "num_buckets"}                 (the commit)
+    BULK {"kind": "weights_manifest", "version", "names", "dtypes", "shapes", "aliases", "bucket_bytes",
+          "chunk_bytes", ...}
+    BULK {"kind": "weights_bucket", "version", "index", "offset", "crc32"} + raw frames   x chunks
+    CONTROL {"kind": "weights", "version", "transport": "zmq", "num_buckets"}             (the commit)
 
-The publisher sends one bucket at a time and waits until ZeroMQ has handed it to the
-kernel before reading the next (`send(control, wait_s)`), so the trainer holds one
-encoded bucket beyond its model. A bucket's parts are views of the model's tensors:
-encoding copies them once, into the frame. There is no whole-model frame.
+Each bucket travels as chunks (at most `chunk_bytes_for(bucket_bytes)`, a quarter of a
+bucket up to 16 MiB), each with the CRC-32 of its bytes. A chunk's frames are views of the
+model's tensors, sent as they are: the trainer encodes no copy, and no frame holds the whole
+model. Flow control is a byte window of one bucket (`transport/bulk.py`): a chunk leaves only
+while the rollout side has acknowledged all but at most one bucket's worth, and a receiver
+acknowledges a chunk once it is written and dropped, so the rollout side holds at most one
+bucket while chunks keep the link, the checksums and the writes busy at the same time.
+`publish` returns once every chunk is acknowledged, i.e. staged (so the model may change).
 
-The receiver takes manifests and buckets straight from the queue client's receive task
-(`attach`) and writes each bucket into a staged safetensors file in its run directory
-(`staging.StagedFile`: length and CRC-32 checked, one bucket in memory). The commit
-reaches the controller through the ordinary control stream; `prepare` then returns the
-finished file, or raises the error that rejected the version (a manifest not newer than
-the last one, a truncated or corrupted bucket, buckets missing). `load` asks each server
-to load the file (`/update_weights_from_disk`, which real SGLang also serves).
+The receiver takes manifests and chunks from the queue client's bulk worker thread
+(`attach`) and writes each chunk into a staged safetensors file in its run directory
+(`staging.StagedFile`: order, length and CRC-32 checked). The commit reaches the controller
+through the ordinary control stream, after every chunk before it was handled; `prepare`
+then returns the finished file, or raises the error that rejected the version (a manifest
+not newer than the last one, a truncated or corrupted bucket, buckets missing). `load` asks
+each server to load the file (`/update_weights_from_disk`, which real SGLang also serves;
+the embedded server swaps it in from a memory map).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,18 +38,32 @@ from typing import Any
 
 from async_rl.protocols import GenerationClient
 from async_rl.types import WireFormatError
-from async_rl.weight_sync.disk import check_keep_last, prune, weights_filename
+from async_rl.weight_sync.disk import check_keep_last, prune, stale_files, weights_filename
 from async_rl.weight_sync.layout import WeightLayout, crc32
 from async_rl.weight_sync.staging import BucketError, StagedFile, WeightSyncError, WeightVersionError
 
 logger = logging.getLogger(__name__)
 
 MANIFEST, BUCKET = "weights_manifest", "weights_bucket"
+MAX_CHUNK_BYTES = 16 << 20
+
+
+def chunk_bytes_for(bucket_bytes: int) -> int:
+    """A quarter of a bucket, at most 16 MiB: enough chunks in the one-bucket window to overlap the
+    sender's checksum, the transfer and the receiver's write; few enough to cost nothing per chunk."""
+    return max(1, min(MAX_CHUNK_BYTES, -(-bucket_bytes // 4)))
+
+
+def _process_cpu_s() -> float:
+    """CPU seconds of this process, all threads (ZeroMQ's I/O thread and the kernel's copies included)."""
+    t = os.times()
+    return t.user + t.system
 
 
 class ZmqWeightPublisher:
-    """Trainer side. `send(control, wait_s)` broadcasts one CONTROL map and returns once it has left
-    (`TrajectoryQueueServer.broadcast`), raising TimeoutError after `wait_s`."""
+    """Trainer side. `send(control, wait_s, parts=..., window_bytes=...)` is
+    `TrajectoryQueueServer.broadcast`: it sends one BULK once the window has room (TimeoutError
+    after `wait_s`) and returns a ticket whose `wait(timeout)` returns once every producer handled it."""
 
     def __init__(self, send: Callable[[dict[str, Any], float], Any], bucket_bytes: int, deadline_s: float):
         if not deadline_s > 0:
@@ -57,38 +79,60 @@ class ZmqWeightPublisher:
         if isinstance(version, int) and version <= self.last_version:
             raise WeightVersionError(f"version: {version} is not newer than the last published "
                                      f"({self.last_version})")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _process_cpu_s()
         deadline = time.monotonic() + self.deadline_s
-        layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=self.bucket_bytes)
-        self._send({"kind": MANIFEST, **layout.to_wire()}, deadline, "the manifest")
-        for index, (start, end) in enumerate(layout.buckets):
-            parts = layout.read(tensors, start, end)
-            self._send({"kind": BUCKET, "version": version, "index": index, "crc32": crc32(parts),
-                        "parts": parts}, deadline, f"bucket {index}")
-            del parts
+        layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=self.bucket_bytes,
+                                                       chunk_bytes=chunk_bytes_for(self.bucket_bytes))
+        ticket = self._send({"kind": MANIFEST, **layout.to_wire()}, [], deadline, "the manifest")
+        crc_s = wait_s = 0.0
+        for index, (start, _) in enumerate(layout.buckets):
+            for lo, hi in layout.chunks(index):
+                parts = layout.read(tensors, lo, hi)
+                t1 = time.perf_counter()
+                checksum = crc32(parts)
+                t2 = time.perf_counter()
+                ticket = self._send({"kind": BUCKET, "version": version, "index": index, "offset": lo - start,
+                                     "crc32": checksum}, parts, deadline, f"bucket {index}") or ticket
+                crc_s, wait_s = crc_s + t2 - t1, wait_s + time.perf_counter() - t2
+                del parts
+        t3 = time.perf_counter()
+        if ticket is not None:  # the model may change once every chunk is staged on the rollout side
+            try:
+                ticket.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise self._late(version, "the last bucket") from None
         self.last_version = version
         self.stats = {"sync/publish_s": time.perf_counter() - t0, "sync/bytes": float(layout.data_len),
-                      "sync/buckets": float(len(layout.buckets))}
+                      "sync/buckets": float(len(layout.buckets)), "sync/crc_s": crc_s, "sync/window_wait_s": wait_s,
+                      "sync/drain_s": time.perf_counter() - t3, "sync/publish_cpu_s": _process_cpu_s() - cpu0}
         return {"kind": "weights", "version": version, "transport": "zmq", "num_buckets": len(layout.buckets)}
 
-    def _send(self, control: dict[str, Any], deadline: float, what: str) -> None:
+    def _send(self, control: dict[str, Any], parts: list[Any], deadline: float, what: str) -> Any:
         try:
-            self.send(control, max(0.0, deadline - time.monotonic()))
+            return self.send(control, max(0.0, deadline - time.monotonic()), parts=parts,
+                             window_bytes=self.bucket_bytes)
         except TimeoutError:
-            raise WeightSyncError(f"weights v{control['version']}: {what} not sent within "
-                                  f"weight_sync.deadline_s={self.deadline_s:g}s (is the rollout side reading?)") from None
+            raise self._late(control["version"], what) from None
+
+    def _late(self, version: int, what: str) -> WeightSyncError:
+        return WeightSyncError(f"weights v{version}: {what} not sent within weight_sync.deadline_s="
+                               f"{self.deadline_s:g}s (is the rollout side reading?)")
 
 
 class ZmqWeightReceiver:
-    """Rollout side: buckets -> a staged file per version in `directory`; servers load the file."""
+    """Rollout side: buckets -> a staged file per version in `directory`; servers load the file.
+    `handle` runs in the queue client's bulk thread and `prepare` on the event loop: a lock keeps
+    their view of the versions consistent."""
 
     def __init__(self, directory: str | Path, keep_last: int):
         self.directory = Path(directory).resolve()
         self.keep_last = check_keep_last(keep_last)
         self.accepted = -1  # newest version whose manifest was accepted
+        self.stats: dict[str, float] = {}  # the last completed version's sync/recv_* timings
         self._stages: dict[int, StagedFile] = {}
         self._done: dict[int, Path] = {}
         self._failed: dict[int, str] = {}
+        self._lock = threading.Lock()
 
     def attach(self, queue: Any) -> "ZmqWeightReceiver":
         """Take manifests and buckets from a `TrajectoryQueueClient` as they arrive."""
@@ -96,21 +140,25 @@ class ZmqWeightReceiver:
             queue.on_control(kind, self.handle)
         return self
 
-    def handle(self, msg: dict[str, Any]) -> None:
-        """One manifest or bucket; a bad one rejects its version (recorded for `prepare`), never raises."""
+    def handle(self, msg: dict[str, Any]) -> str | None:
+        """One manifest or chunk; a bad one rejects its version (recorded for `prepare`) and returns the
+        reason (sent back to the trainer); never raises."""
         version = msg.get("version")
-        try:
-            if msg.get("kind") == MANIFEST:
-                self._manifest(msg)
-            else:
-                self._bucket(msg)
-        except (WeightSyncError, WireFormatError, OSError) as exc:
-            if isinstance(version, int):
-                stage = self._stages.pop(version, None)
-                if stage is not None:
-                    stage.abandon()
-                self._failed.setdefault(version, str(exc))
-            logger.error("weights rejected: %s", exc)
+        with self._lock:
+            try:
+                if msg.get("kind") == MANIFEST:
+                    self._manifest(msg)
+                else:
+                    return self._bucket(msg)
+            except (WeightSyncError, WireFormatError, OSError) as exc:
+                if isinstance(version, int):
+                    stage = self._stages.pop(version, None)
+                    if stage is not None:
+                        stage.abandon()
+                    self._failed.setdefault(version, str(exc))
+                logger.error("weights rejected: %s", exc)
+                return str(exc)
+        return None
 
     def _manifest(self, msg: dict[str, Any]) -> None:
         layout = WeightLayout.from_wire(msg)
@@ -124,17 +172,19 @@ class ZmqWeightReceiver:
             self._failed[v] = f"weights v{v}: truncated: superseded by v{layout.version} before it completed"
             del self._stages[v]
         self.accepted = layout.version
-        stage = StagedFile(self.directory / weights_filename(layout.version), layout)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stale = stale_files(self.directory, layout.version, self.keep_last)  # pruned once this one completes
+        stage = StagedFile(self.directory / weights_filename(layout.version), layout, reuse=stale[0] if stale else None)
         self._stages[layout.version] = stage
         if stage.complete:  # no tensors at all
             self._complete(layout.version)
 
-    def _bucket(self, msg: dict[str, Any]) -> None:
+    def _bucket(self, msg: dict[str, Any]) -> str | None:
         version = msg.get("version")
         stage = self._stages.get(version)
         if stage is None:
             if version in self._failed:
-                return  # the version is already rejected; the rest of its buckets are ignored
+                return self._failed[version]  # already rejected; the rest of its chunks are ignored
             raise BucketError(f"weights_bucket.version: v{version!r} has no manifest (lost, or out of order)")
         parts = msg.get("parts")
         if not isinstance(parts, list):
@@ -142,19 +192,25 @@ class ZmqWeightReceiver:
         checksum = msg.get("crc32")
         if not isinstance(checksum, int):
             raise BucketError(f"weights v{version}: weights_bucket.crc32: missing")
-        stage.write(msg.get("index"), parts, checksum)
+        stage.write(msg.get("index"), parts, checksum, msg.get("offset", 0))
         if stage.complete:
             self._complete(version)
+        return None
 
     def _complete(self, version: int) -> None:
-        self._done[version] = self._stages.pop(version).finish()
+        stage = self._stages.pop(version)
+        self._done[version] = stage.finish()
+        self.stats = dict(stage.stats)
         prune(self.directory, version, self.keep_last)
         for v in [v for v in self._done if v <= version - self.keep_last]:
             del self._done[v]
 
     # ------------------------------------------------------------------ WeightReceiver
     async def prepare(self, msg: dict[str, Any]) -> str:
-        version = int(msg["version"])
+        with self._lock:
+            return self._prepare(int(msg["version"]))
+
+    def _prepare(self, version: int) -> str:
         if version in self._failed:
             raise WeightSyncError(self._failed.pop(version))
         if version in self._done:

@@ -1,10 +1,11 @@
 """Streamed weights: buckets of a version's byte layout, staged into a file and checked on the way.
 
 A version streamed through the zmq publisher into the receiver (here without a socket: the
-publisher's `send` hands each CONTROL map to the receiver) becomes a safetensors file that
-loads into a fresh model with identical outputs, whatever the bucket size; a bucket that is
-truncated, corrupted, repeated or missing, a manifest that goes backwards or does not hold
-together rejects its version with one error naming the problem, and nothing is left behind.
+publisher's `send` hands each message, its parts attached, to the receiver) becomes a
+safetensors file that loads into a fresh model with identical outputs, whatever the bucket
+size; a bucket (or a chunk of one) that is truncated, corrupted, repeated, out of order or
+missing, a manifest that goes backwards or does not hold together rejects its version with
+one error naming the problem, and nothing is left behind.
 """
 
 import asyncio
@@ -17,7 +18,7 @@ from async_rl.models import build_tiny_tokenizer, load_model
 from async_rl.weight_sync.disk import load_weights, weights_version
 from async_rl.weight_sync.layout import WeightLayout, crc32
 from async_rl.weight_sync.staging import BucketError, StagedFile, WeightSyncError, map_weights
-from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
+from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver, chunk_bytes_for
 
 ALPHABET = "0123456789+= "
 
@@ -48,10 +49,11 @@ def _stream(state, version, bucket_bytes, tmp_path, receiver=None, tamper=None):
     receiver = receiver or ZmqWeightReceiver(tmp_path / "rollout", keep_last=2)
     sent = []
 
-    def send(control, wait_s):
-        assert wait_s > 0
+    def send(control, wait_s, parts, window_bytes):
+        assert wait_s > 0 and window_bytes == bucket_bytes  # the flow-control window is one bucket
         sent.append(control["kind"])
-        msg = tamper(control) if tamper else control
+        msg = {**control, "parts": list(parts)}
+        msg = tamper(msg) if tamper else msg
         if msg is not None:
             receiver.handle(msg)
 
@@ -62,10 +64,14 @@ def _stream(state, version, bucket_bytes, tmp_path, receiver=None, tamper=None):
 @pytest.mark.parametrize("bucket_bytes", [1000, 4096, 1 << 20])
 def test_streamed_version_loads_into_a_fresh_model_with_identical_outputs(trained, tmp_path, bucket_bytes):
     receiver, commit, sent = _stream(trained.state_dict(), 3, bucket_bytes, tmp_path)
-    layout, _ = WeightLayout.from_state_dict(trained.state_dict(), version=3, bucket_bytes=bucket_bytes)
-    assert sent == ["weights_manifest"] + ["weights_bucket"] * len(layout.buckets)  # the manifest first
+    layout, _ = WeightLayout.from_state_dict(trained.state_dict(), version=3, bucket_bytes=bucket_bytes,
+                                             chunk_bytes=chunk_bytes_for(bucket_bytes))
+    chunks = [c for i in range(len(layout.buckets)) for c in layout.chunks(i)]
+    assert sent == ["weights_manifest"] + ["weights_bucket"] * len(chunks)  # the manifest first
     assert commit == {"kind": "weights", "version": 3, "transport": "zmq", "num_buckets": len(layout.buckets)}
     assert all(end - start <= bucket_bytes for start, end in layout.buckets)
+    assert [lo for lo, _ in chunks] == [0] + [hi for _, hi in chunks[:-1]] and chunks[-1][1] == layout.data_len
+    assert all(hi - lo <= chunk_bytes_for(bucket_bytes) for lo, hi in chunks)
     path = asyncio.run(receiver.prepare(commit))
     assert weights_version(path) == 3
     fresh = _fresh()
@@ -121,7 +127,7 @@ def test_version_going_backwards_is_rejected(trained, tmp_path):
     receiver, old, _ = _stream(trained.state_dict(), 6, 1 << 20, tmp_path, receiver=receiver)
     with pytest.raises(WeightSyncError, match="v6 is not newer than v7"):
         asyncio.run(receiver.prepare(old))
-    publisher = ZmqWeightPublisher(lambda c, w: None, 1 << 20, deadline_s=5)
+    publisher = ZmqWeightPublisher(lambda c, w, **kw: None, 1 << 20, deadline_s=5)
     publisher.publish({"w": torch.ones(2)}, 3)
     with pytest.raises(WeightSyncError, match="version: 3 is not newer"):
         publisher.publish({"w": torch.ones(2)}, 3)
@@ -162,7 +168,7 @@ def test_commit_without_any_bucket_and_a_superseded_version(trained, tmp_path):
 
 
 def test_publisher_deadline_names_the_config_key():
-    def never(control, wait_s):
+    def never(control, wait_s, **kw):
         raise TimeoutError
 
     with pytest.raises(WeightSyncError, match=r"manifest not sent within weight_sync.deadline_s=2s"):
@@ -178,3 +184,41 @@ def test_staged_file_checks_each_bucket(tmp_path):
     with pytest.raises(BucketError, match="truncated: 1 of 3 buckets arrived"):
         stage.finish()
     assert not list(tmp_path.iterdir())
+
+
+def test_chunks_of_a_bucket_must_arrive_whole_and_in_order(trained, tmp_path):
+    """4096-byte buckets travel as 1024-byte chunks: a lost, reordered or short chunk names the bucket."""
+    assert chunk_bytes_for(4096) == 1024 and chunk_bytes_for(128 << 20) == 16 << 20 and chunk_bytes_for(1) == 1
+
+    def drop_second_chunk_of_bucket_1(msg):
+        return None if msg["kind"] == "weights_bucket" and (msg["index"], msg["offset"]) == (1, 1024) else msg
+
+    receiver, commit, _ = _stream(trained.state_dict(), 1, 4096, tmp_path, tamper=drop_second_chunk_of_bucket_1)
+    with pytest.raises(WeightSyncError, match=r"bucket 1: a chunk at byte 2048 arrived, expected byte 1024"):
+        asyncio.run(receiver.prepare(commit))
+
+    def short_last_chunk(msg):
+        if msg["kind"] == "weights_bucket" and (msg["index"], msg["offset"]) == (3, 3072):
+            return {**msg, "parts": [p[:-1] for p in msg["parts"]][:1]}
+        return msg
+
+    receiver, commit, _ = _stream(trained.state_dict(), 2, 4096, tmp_path, receiver=receiver, tamper=short_last_chunk)
+    with pytest.raises(WeightSyncError, match=r"bucket 3 is truncated or oversized: \d+ bytes at byte 3072, "
+                                              r"expected 1024"):
+        asyncio.run(receiver.prepare(commit))
+    assert not list((tmp_path / "rollout").iterdir())
+    receiver, commit, _ = _stream(trained.state_dict(), 3, 4096, tmp_path, receiver=receiver)
+    assert weights_version(asyncio.run(receiver.prepare(commit))) == 3
+
+
+def test_rejection_reason_goes_back_to_the_sender(trained, tmp_path):
+    """`handle` returns why a message was refused (the producer sends it back in BULK_ACK); it never raises."""
+    receiver = ZmqWeightReceiver(tmp_path, keep_last=2)
+    assert "has no manifest" in receiver.handle({"kind": "weights_bucket", "version": 9, "index": 0, "offset": 0,
+                                                  "crc32": 0, "parts": []})
+    assert receiver.handle({"kind": "weights_manifest", "version": 1, "names": [], "dtypes": [], "shapes": [],
+                            "bucket_bytes": 8, "num_buckets": 0, "data_len": 0, "parts": []}) is None
+    bad = receiver.handle({"kind": "weights_manifest", "version": 2, "names": ["w"], "dtypes": ["float32"],
+                           "shapes": [[2]], "bucket_bytes": 8, "chunk_bytes": 9, "num_buckets": 1, "data_len": 8,
+                           "parts": []})
+    assert "chunk_bytes: must be an integer in [1, bucket_bytes=8], got 9" in bad
