@@ -62,6 +62,11 @@ class BulkLedger:
         with self._cond:
             return sum(self._pending.get(identity, {}).values())
 
+    def max_inflight(self) -> int:
+        """The most bytes any producer holds right now."""
+        with self._cond:
+            return max((sum(p.values()) for p in self._pending.values()), default=0)
+
     def reserve(self, nbytes: int, window_bytes: int, timeout: float | None) -> tuple[int, list[bytes]]:
         """Wait until every producer has room for `nbytes` within `window_bytes` (a producer holding
         nothing always has room), then book them; return (seq, the producers it goes to).

@@ -240,6 +240,7 @@ class TrajectoryQueueServer:
     def stats(self) -> dict[str, int]:
         with self._cond:
             return {"queue/depth": self._buffered, "queue/unacked": len(self._handed), **self._counts,
+                    "queue/bulk_inflight_bytes": self._bulk.max_inflight(),
                     "queue/bulk_inflight_peak_bytes": self._bulk.peak_inflight,
                     "queue/bulk_rejected": self._bulk.rejected}
 

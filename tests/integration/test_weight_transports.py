@@ -2,7 +2,12 @@
 
 zmq: a version streams as buckets over a real trajectory queue (ROUTER/DEALER on loopback)
 into a staged file that a served engine loads: its weights are then bit-identical to the
-trainer's. dist: a gloo group between the publisher (rank 0) and two served engines,
+trainer's. While it streams into a slow receiver, the bytes the trainer has sent and the
+rollout side has not acknowledged (everything the rollout side can hold, wherever) stay
+within one bucket; a stalled rollout side fails the publish at the deadline, and one that
+leaves mid-stream does not hold the trainer up. disk: `/update_weights_from_disk` swaps
+a file (or a directory of shards) in from a memory map, refuses a version going backwards
+and keeps the old weights on any error. dist: a gloo group between the publisher (rank 0) and two served engines,
 driven through SGLang's routes: both get bit-identical weights, a second version reuses
 the group, a server that never joins fails the update at the deadline with a clear error
 (the old weights stay), and the next version forms a fresh group that every server joins
@@ -17,6 +22,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine.client import HttpGenerationClient
@@ -24,6 +30,7 @@ from async_rl.models import build_tiny_tokenizer, load_model
 from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.transport.queue import TrajectoryQueueServer
 from async_rl.types import SamplingParams
+from async_rl.weight_sync.disk import DiskWeightPublisher
 from async_rl.weight_sync.dist import DistWeightPublisher, DistWeightReceiver, open_group
 from async_rl.weight_sync.staging import WeightSyncError
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
@@ -102,6 +109,149 @@ def test_zmq_buckets_over_the_trajectory_queue_into_a_served_engine(servers, tmp
         trainer_queue.close()
     _assert_identical(engine, state)
     assert engine.weight_version == version and out.output_versions == [version] * 4
+
+
+def _queue_pair():
+    server = TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8, heartbeat_s=0.5, peer_timeout_s=10)
+    return server, TrajectoryQueueClient(server.address, heartbeat_s=0.5, peer_timeout_s=10)
+
+
+def test_zmq_rollout_side_holds_at_most_one_bucket_while_a_version_streams(servers, tmp_path):
+    url, engine = servers[0]
+    state = _trained(seed=11)
+    bucket = 32 << 10  # the tiny model is ~300 KB: ten buckets, forty 8 KB chunks
+    trainer_queue, client = _queue_pair()
+    receiver = ZmqWeightReceiver(tmp_path / "rollout", keep_last=2)
+    held, window = [], []
+
+    def slow_disk(msg):  # 5 ms a message: without flow control the trainer would be the whole model ahead
+        time.sleep(0.005)
+        window.append(trainer_queue.stats()["queue/bulk_inflight_bytes"])  # sent, not yet acknowledged
+        held.append(client.stats()["queue/bulk_held_bytes"])  # taken off the socket, not yet released
+        return receiver.handle(msg)
+
+    async def rollout_side():
+        for kind in ("weights_manifest", "weights_bucket"):
+            client.on_control(kind, slow_disk)
+        http = HttpGenerationClient(url)
+        await client.connect(10)
+        version = engine.weight_version + 1
+        publisher = ZmqWeightPublisher(trainer_queue.broadcast, bucket_bytes=bucket, deadline_s=30)
+        thread = threading.Thread(target=lambda: trainer_queue.broadcast(publisher.publish(state, version)))
+        thread.start()
+        commit = await asyncio.wait_for(client.controls().__anext__(), 30)
+        thread.join(30)
+        await receiver.load(http, await receiver.prepare(commit), version)
+        await http.close()
+        await client.close()
+        return version, publisher.stats
+
+    try:
+        version, stats = asyncio.run(rollout_side())
+        peak = trainer_queue.stats()["queue/bulk_inflight_peak_bytes"]
+    finally:
+        trainer_queue.close()
+    assert stats["sync/bytes"] > 8 * bucket
+    assert max(window) <= peak <= bucket  # the bound holds the whole time
+    assert max(window) > 2 * (bucket // 4)  # and the window is used: several chunks in flight at once
+    assert max(held) <= bucket // 4  # this side's Python holds one chunk at a time
+    _assert_identical(engine, state)
+    assert engine.weight_version == version
+
+
+def _stalling(client):
+    """The client takes the manifest, then stalls on the first chunk until `release` is set."""
+    stalled, release = threading.Event(), threading.Event()
+
+    def stuck(msg):
+        stalled.set()
+        release.wait(30)
+
+    client.on_control("weights_manifest", lambda msg: None)
+    client.on_control("weights_bucket", stuck)
+    return stalled, release
+
+
+def test_zmq_stalled_rollout_side_fails_the_publish_at_the_deadline(tmp_path):
+    trainer_queue, client = _queue_pair()
+    stalled, release = _stalling(client)
+
+    async def rollout_side():
+        await client.connect(10)
+        publisher = ZmqWeightPublisher(trainer_queue.broadcast, bucket_bytes=32 << 10, deadline_s=2)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=r"weights v1: bucket \d+ not sent within "
+                                                  r"weight_sync.deadline_s=2s \(is the rollout side reading\?\)"):
+            await asyncio.to_thread(publisher.publish, _trained(seed=12), 1)
+        took = time.monotonic() - t0
+        release.set()
+        await client.close()
+        return took
+
+    try:
+        took = asyncio.run(rollout_side())
+        peak = trainer_queue.stats()["queue/bulk_inflight_peak_bytes"]
+    finally:
+        release.set()
+        trainer_queue.close()
+    assert stalled.is_set() and 1.5 < took < 10 and peak <= 32 << 10
+
+
+def test_zmq_rollout_side_leaving_mid_stream_does_not_hold_the_trainer(tmp_path):
+    trainer_queue, client = _queue_pair()
+    stalled, release = _stalling(client)
+
+    async def rollout_side():
+        await client.connect(10)
+        publisher = ZmqWeightPublisher(trainer_queue.broadcast, bucket_bytes=32 << 10, deadline_s=60)
+        t0 = time.monotonic()
+        publishing = asyncio.ensure_future(asyncio.to_thread(publisher.publish, _trained(seed=13), 1))
+        await asyncio.to_thread(stalled.wait, 10)
+        await client.close()  # BYE: the trainer stops counting on this producer
+        commit = await asyncio.wait_for(publishing, 20)
+        return commit, time.monotonic() - t0
+
+    try:
+        commit, took = asyncio.run(rollout_side())
+    finally:
+        release.set()
+        trainer_queue.close()
+    assert commit["version"] == 1 and took < 20  # done long before weight_sync.deadline_s
+
+
+def test_update_weights_from_disk_swaps_in_place_and_refuses_going_backwards(servers, tmp_path):
+    url, engine = servers[1]
+    state = _trained(seed=50)
+    version = engine.weight_version + 1
+    path = DiskWeightPublisher(tmp_path / "w", keep_last=2).publish(state, version)["path"]
+    shards = tmp_path / "hf_checkpoint"  # a directory of safetensors files, as Hugging Face saves one
+    shards.mkdir()
+    sharded = _trained(seed=51)
+    names = sorted(n for n in sharded if n != "lm_head.weight")
+    for i, part in enumerate((names[::2], names[1::2])):
+        save_file({n: sharded[n].contiguous() for n in part}, str(shards / f"model-0000{i + 1}-of-00002.safetensors"))
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file at all")
+
+    async def drive():
+        http = HttpGenerationClient(url)
+        body = await http.update_weights_from_disk(path, version)
+        assert body["weight_version"] == version and body["engine/update_load_s"] >= 0
+        _assert_identical(engine, state)
+        for bad, older, error in ((path, version, f"weight_version: {version} is not newer than the version in use"),
+                                  (path, version - 1, "a version going backwards is refused"),
+                                  (str(garbage), version + 1, "model_path: cannot load"),
+                                  (str(tmp_path / "nope"), version + 1, "model_path: .* does not exist")):
+            with pytest.raises(ValueError, match=error):
+                await http.update_weights_from_disk(bad, older)
+            _assert_identical(engine, state)  # the old weights stay
+            assert engine.weight_version == version
+        await http.update_weights_from_disk(str(shards), version + 1)
+        await http.close()
+
+    asyncio.run(drive())
+    _assert_identical(engine, sharded)
+    assert engine.weight_version == version + 1
 
 
 # --------------------------------------------------------------------------- dist

@@ -1,5 +1,6 @@
 """Disk weight publishing: a published file loads into a fresh model with identical outputs,
-tied weights are stored once, and old versions are pruned."""
+tied weights are stored once, old versions are pruned, and the file of a version being pruned
+is taken over by the next one only when nobody is reading it."""
 
 import os
 
@@ -11,6 +12,7 @@ from async_rl.config import ModelConfig
 from async_rl.models import build_tiny_tokenizer, load_model as load_async_rl_model
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.disk import DiskWeightPublisher, load_weights, weights_version
+from async_rl.weight_sync.staging import map_weights
 
 ALPHABET = "0123456789+= "
 
@@ -88,3 +90,22 @@ def test_keep_last_prunes_older_versions(tmp_path):
     with pytest.raises(FileNotFoundError, match="pruned"):
         load_weights(tmp_path / "weights_v000001.safetensors")
 
+
+
+def test_the_pruned_versions_file_is_taken_over_unless_someone_is_reading_it(tmp_path):
+    """Writing into the page cache of the file about to be pruned is cheap; a reader must never see it change."""
+    publisher = DiskWeightPublisher(tmp_path, keep_last=2)
+    paths = {v: publisher.publish({"w": torch.full((1000,), float(v))}, v)["path"] for v in (1, 2)}
+    inode = {v: os.stat(p).st_ino for v, p in paths.items()}
+    reading = map_weights(paths[1])  # a server loading v1 holds a shared lock through its memory map
+    p3 = publisher.publish({"w": torch.full((1000,), 3.0)}, 3)["path"]
+    assert os.stat(p3).st_ino != inode[1] and not os.path.exists(paths[1])  # a new file; v1 pruned as before
+    assert torch.equal(reading["w"], torch.full((1000,), 1.0))  # the reader's bytes did not change
+    del reading
+    p4 = publisher.publish({"w": torch.full((1000,), 4.0)}, 4)["path"]
+    assert os.stat(p4).st_ino == inode[2]  # nobody reads v2: its file became v4's
+    assert torch.equal(load_weights(p4)["w"], torch.full((1000,), 4.0)) and weights_version(p4) == 4
+    p5 = publisher.publish({"w": torch.full((10,), 5.0), "b": torch.ones(2, dtype=torch.int64)}, 5)["path"]
+    assert torch.equal(load_weights(p5)["w"], torch.full((10,), 5.0))  # a smaller version in a larger file
+    assert os.path.getsize(p5) < os.path.getsize(p4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights_v000004.safetensors", "weights_v000005.safetensors"]
