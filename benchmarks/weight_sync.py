@@ -1,10 +1,10 @@
 """Seconds per weight update for the `disk`, `zmq` and `dist` transports, peak extra memory, interruption.
 
-The trainer side runs in a spawned process with a random fp32 state dict of the model's
-shapes and publishes a few versions through the transport's publisher. This process is
-the rollout side and the engine: a served embedded engine (fp32, same model) with four
-streaming requests in flight, and the transport's receiver loading each version into it
-through the server's routes, exactly as a run does:
+Three processes, as in a run: the trainer (spawned) publishes a few versions of a random
+fp32 state dict of the model's shapes through the transport's publisher; the generation
+server (spawned: the embedded engine, fp32, same model, served over HTTP) decodes four
+streaming requests; this process is the rollout side, whose receiver loads each version
+into the server through its routes, exactly as a run does:
 
 - disk: `DiskWeightPublisher` writes the file; the engine loads it (`/update_weights_from_disk`,
         a memory-mapped swap at one step boundary);
@@ -14,14 +14,16 @@ through the server's routes, exactly as a run does:
 
 Per update: seconds from the trainer starting to publish to the engine serving the new
 version; peak extra memory (RSS, sampled every 2 ms, above the level just before) of the
-trainer process and of this process (anonymous memory in brackets: page cache mapped by a
-reader is counted in RSS but not there); for zmq, the most bytes the trainer had sent and
+trainer, rollout and engine processes (anonymous memory in brackets: page cache mapped by
+a reader is counted in RSS but not there); for zmq, the most bytes the trainer had sent and
 the rollout side had not yet acknowledged (the flow-control window: everything the rollout
 side can hold of a version, in kernel buffers, ZeroMQ queues or the handler); the largest gap
 between two tokens of an in-flight request during the update minus the median gap (the
-interruption: swap + KV recompute). The phases of each update (trainer checksums, waits for
-the window, the final drain; receiver checksums and file writes; the engine's map and copy)
-are in the JSON and in a second table. The first `--warmup` updates of each case are run but
+interruption: swap + KV recompute of the four requests, so it grows with how far they have
+got). The phases of each update (trainer checksums, waits for the window, the final drain;
+receiver checksums and file writes; the engine's map and copy; CPU seconds of the trainer
+process and of the rollout side's receiving threads, which bound what a quiet machine
+would take) are in the JSON and in a second table. The first `--warmup` updates of each case are run but
 not counted (their times are in the "warm-up s" column): until `keep_last` (2) versions
 exist, each version's file is new and its page cache is fresh memory, 5-10x slower to write
 here than the pages of the pruned version's file, which every later version takes over.
@@ -108,9 +110,8 @@ class PeakMemory:
         return (self.peak[0] - self.base[0]) / 2**20, (self.peak[1] - self.base[1]) / 2**20
 
 
-def transport_cpu_s() -> float:
-    """CPU seconds of this process's threads that carry streamed weights: ZeroMQ's I/O threads (the
-    receive copies) and the queue client's bulk worker (checksums, file writes)."""
+def zmq_io_cpu_s() -> float:
+    """CPU seconds of this process's ZeroMQ I/O threads (the copies out of the socket)."""
     total = 0.0
     for stat in Path("/proc/self/task").glob("*/stat"):
         try:
@@ -118,7 +119,7 @@ def transport_cpu_s() -> float:
         except OSError:  # the thread ended meanwhile
             continue
         name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-        if name.startswith(("ZMQbg", "queue-bulk")):
+        if name.startswith("ZMQbg"):
             total += (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
     return total
 
@@ -154,7 +155,24 @@ def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, t
         queue.close()
 
 
-# --------------------------------------------------------------------------- rollout side + engine
+# --------------------------------------------------------------------------- engine process
+def engine(model: str, threads: int, url_q, cmd_q) -> None:
+    """The generation server, serving until told to stop; measures its own peak memory when asked."""
+    torch.set_num_threads(threads)
+    tok = build_tiny_tokenizer("0123456789+= ")
+    bg = BackgroundServer.for_model(build(model, seed=0), tok, EngineConfig(kv_cache_mb=64, block_size=16),
+                                    model_name=model)
+    url_q.put(bg.start())
+    mem = PeakMemory()
+    for cmd in iter(lambda: cmd_q.get(timeout=600), "stop"):
+        if cmd == "mem_start":
+            mem.start()
+        else:
+            url_q.put(mem.stop())
+    bg.stop()
+
+
+# --------------------------------------------------------------------------- rollout side
 class Streams:
     """Streaming requests in flight; records when each token arrived."""
 
@@ -192,30 +210,41 @@ class Streams:
             t.join(600)
 
 
-def run_case(transport: str, model: str, rounds: int, bucket_mb: float) -> list[dict]:
+async def settle(client: HttpGenerationClient, timeout_s: float = 60.0) -> None:
+    """Wait until the engine has recomputed the KV of its requests after an update and decoded again (two
+    steps), so the next update does not wait behind that recompute and is timed on its own."""
+    steps = (await client.metrics())["engine/steps_total"]
+    deadline = time.monotonic() + timeout_s
+    while (await client.metrics())["engine/steps_total"] < steps + 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
+
+
+def run_case(transport: str, model: str, rounds: int, bucket_mb: float, engine_threads: int) -> list[dict]:
     ctx = mp.get_context("spawn")
-    tok = build_tiny_tokenizer("0123456789+= ")
-    served = build(model, seed=0)
-    bg = BackgroundServer.for_model(served, tok, EngineConfig(kv_cache_mb=64, block_size=16), model_name=model)
-    url = bg.start()
-    out_q, in_q = ctx.Queue(), ctx.Queue()
+    out_q, in_q, url_q, cmd_q = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    server = ctx.Process(target=engine, args=(model, engine_threads, url_q, cmd_q), daemon=True)
+    server.start()
     versions = list(range(1, rounds + 1))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         proc = ctx.Process(target=trainer, args=(transport, model, versions, bucket_mb, tmp, out_q, in_q), daemon=True)
         proc.start()
         try:
-            rows = asyncio.run(_rollout(transport, model, url, bg, versions, tmp, out_q, in_q))
+            url = url_q.get(timeout=300)
+            rows = asyncio.run(_rollout(transport, model, url, (url_q, cmd_q), versions, tmp, out_q, in_q))
         finally:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-            bg.stop()
+            cmd_q.put("stop")
+            for p in (proc, server):
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
     return rows
 
 
-async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> list[dict]:
+async def _rollout(transport, model, url, engine_qs, versions, tmp, out_q, in_q) -> list[dict]:
     client = HttpGenerationClient(url)
+    url_q, cmd_q = engine_qs
     get = lambda: asyncio.to_thread(out_q.get, True, 300)  # noqa: E731
     queue = receiver = None
     if transport == "zmq":
@@ -231,6 +260,7 @@ async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> lis
     await asyncio.sleep(1.0)  # the requests are decoding
     for v in versions:
         mem = PeakMemory().start()
+        cmd_q.put("mem_start")
         in_q.put("go")
         _, _, t_start = await get()
         phases = {}
@@ -240,32 +270,37 @@ async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> lis
             t_staged = time.time()
             served = await client.update_weights_from_disk(msg["path"], v)
         elif transport == "zmq":
-            cpu0 = transport_cpu_s()
+            cpu0 = zmq_io_cpu_s()
             msg = await controls.__anext__()
             t_staged = time.time()
-            phases["rollout_transport_cpu_s"] = transport_cpu_s() - cpu0
+            phases["rollout_transport_cpu_s"] = zmq_io_cpu_s() - cpu0  # + the receiver's, below
             path = await receiver.prepare(msg)
             served = await client.update_weights_from_disk(path, v)
             _, _, t_pub, *tmem, tstats = await get()
             phases.update(receiver.stats)
+            phases["rollout_transport_cpu_s"] += receiver.stats["sync/recv_cpu_s"]
             phases["queue/bulk_held_peak_bytes"] = queue.stats()["queue/bulk_held_peak_bytes"]
         else:
             msg = await get()
-            t_staged = time.time()
+            t_staged = None  # staged inside the server's route
             await receiver.load(client, await receiver.prepare(msg), v)
             _, _, t_pub, *tmem, tstats = await get()
             served = {}
         t_done = time.time()
         rss, anon = mem.stop()
-        assert bg.engine.weight_version == v
+        cmd_q.put("mem_stop")
+        erss, eanon = await asyncio.to_thread(url_q.get, True, 60)
+        assert (await client.get_model_info())["weight_version"] == v
         phases.update({k: x for k, x in {**tstats, **served}.items() if k.startswith(("sync/", "engine/update",
                                                                                         "queue/"))})
-        phases["staged_s"] = t_staged - t_start  # trainer start -> the version is staged on this side
+        if t_staged is not None:
+            phases["staged_s"] = t_staged - t_start  # trainer start -> the version is staged on this side
         rows.append({"transport": transport, "model": model, "version": v, "update_s": t_done - t_start,
                      "publish_s": t_pub - t_start, "trainer_peak_MB": tmem[0], "trainer_peak_anon_MB": tmem[1],
-                     "rollout_peak_MB": rss, "rollout_peak_anon_MB": anon, "t0": t_start, "t1": t_done,
+                     "rollout_peak_MB": rss, "rollout_peak_anon_MB": anon, "engine_peak_MB": erss,
+                     "engine_peak_anon_MB": eanon, "t0": t_start, "t1": t_done,
                      "phases": phases})
-        await asyncio.sleep(0.5)
+        await settle(client)
     in_q.put("stop")
     await asyncio.to_thread(httpx.post, url + "/abort_request", json={"abort_all": True}, trust_env=False,
                             timeout=120)
@@ -280,14 +315,15 @@ async def _rollout(transport, model, url, bg, versions, tmp, out_q, in_q) -> lis
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | transport | MB | s / update | trainer publish s | trainer peak extra MB (anon) | "
-             "rollout+engine peak extra MB (anon) | rollout side holds at most MB | interruption s | warm-up s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "rollout peak extra MB (anon) | engine peak extra MB (anon) | rollout side holds at most MB | "
+             "interruption s | warm-up s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         window = r.get("phases", {}).get("queue/bulk_inflight_peak_bytes")
         held = "-" if window is None else f"{window / 2**20:.0f}"
         lines.append(f"| {r['model']} | {r['transport']} | {r['MB']:.1f} | {r['update_s']:.2f} | {r['publish_s']:.2f} | "
                      f"{r['trainer_peak_MB']:.0f} ({r['trainer_peak_anon_MB']:.0f}) | {r['rollout_peak_MB']:.0f} "
-                     f"({r['rollout_peak_anon_MB']:.0f}) | {held} | {r['interruption_s']:.2f} | "
+                     f"({r['rollout_peak_anon_MB']:.0f}) | {r['engine_peak_MB']:.0f} ({r['engine_peak_anon_MB']:.0f}) | "
+                     f"{held} | {r['interruption_s']:.2f} | "
                      f"{' '.join(f'{x:.2f}' for x in r.get('warmup_update_s', [])) or '-'} |")
     return "\n".join(lines)
 
@@ -296,7 +332,7 @@ PHASES = [("staged_s", "staged s"), ("sync/crc_s", "trainer CRC s"), ("sync/wind
           ("sync/drain_s", "trainer drain s"), ("sync/recv_crc_s", "receiver CRC s"),
           ("sync/recv_write_s", "receiver write s"), ("engine/update_read_s", "engine map s"),
           ("engine/update_load_s", "engine copy s"), ("sync/publish_cpu_s", "trainer CPU s"),
-          ("rollout_transport_cpu_s", "rollout transport CPU s")]
+          ("rollout_transport_cpu_s", "rollout receive CPU s")]
 
 
 def phase_table(rows: list[dict]) -> str:
@@ -323,13 +359,13 @@ def main() -> None:
     if unknown:
         ap.error(f"--transports: {', '.join(unknown)} unknown (allowed: {', '.join(TRANSPORTS)})")
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads // 2))
+    torch.set_num_threads(1)  # this process only receives, like a run's rollout process
     rows = []
     load_before = os.getloadavg()[0]
     for model in ["tiny"] if args.quick else args.models.split(","):
         mb = sum(p.numel() * p.element_size() for p in build(model, 0).parameters()) / 2**20
         for transport in args.transports.split(","):
-            runs = run_case(transport, model, args.warmup + args.rounds, args.bucket_mb)
+            runs = run_case(transport, model, args.warmup + args.rounds, args.bucket_mb, max(1, threads // 2))
             counted = runs[args.warmup:]
             best = sorted(counted, key=lambda r: r["update_s"])[len(counted) // 2]
             rows.append({**best, "MB": mb, "all_update_s": [r["update_s"] for r in counted],
@@ -350,7 +386,8 @@ def write(rows: list[dict], meta: dict) -> None:
     old = json.loads(path.read_text())["rows"] if path.is_file() else []
     mine = {(r["model"], r["transport"]) for r in rows}
     order = {m: i for i, m in enumerate(MODELS)}
-    kept = [r for r in old if (r["model"], r["transport"]) not in mine and r["transport"] in TRANSPORTS]
+    kept = [r for r in old if (r["model"], r["transport"]) not in mine and r["transport"] in TRANSPORTS
+            and "engine_peak_MB" in r]  # rows of an earlier layout of this benchmark are dropped
     merged = sorted(kept + rows, key=lambda r: (order.get(r["model"], 9), r["transport"]))
     path.write_text(json.dumps({**meta, "rows": merged}, indent=1) + "\n")
     commands = sorted({f"`{r['command']}` (load average {r['load_avg']})" for r in merged})
@@ -359,8 +396,9 @@ def write(rows: list[dict], meta: dict) -> None:
     (RESULTS / "weight_sync.md").write_text(
         "# Weight sync: seconds per update, peak extra memory, interruption\n\n"
         f"{meta['cpus']} cores ({meta['cpu_capability']}), torch threads {meta['torch_threads']} (half to the "
-        "engine); fp32 weights; the median of the counted updates of each case (after the warm-up ones). See the "
-        "script's docstring for what each column measures. Made by:\n\n" + "\n".join(f"- {c}" for c in commands)
+        "engine process, one each to the trainer and rollout processes); fp32 weights; the median of the counted "
+        "updates of each case (after the warm-up ones); a shared machine, its load average beside each command. "
+        "See the script's docstring for what each column measures. Made by:\n\n" + "\n".join(f"- {c}" for c in commands)
         + "\n\n" + text + "\n")
 
 

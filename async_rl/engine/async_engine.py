@@ -385,10 +385,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ streamed weights (weight_sync)
     async def update_weights_from_staged(self, path: str, version: int) -> dict[str, float]:
-        """Swap in a staged version (a safetensors file assembled from streamed buckets) at one step
-        boundary, so no forward pass mixes two versions. Each tensor is copied once from a memory map:
-        no second copy of the model is held. Names and shapes are checked before any weight changes (the
-        old weights stay on error), and a version not newer than the current one is refused."""
+        """Swap in a staged version (a safetensors file assembled from streamed buckets or written by the
+        disk publisher, or a directory of safetensors shards) at one step boundary, so no forward pass
+        mixes two versions. Each tensor is copied once from a memory map: no second copy of the model is
+        held. Names and shapes are checked before any weight changes (the old weights stay on error), and a
+        version not newer than the current one is refused. `/update_weights_from_disk` loads this way."""
         from async_rl.weight_sync.staging import WeightVersionError, map_weights
 
         def check() -> None:
