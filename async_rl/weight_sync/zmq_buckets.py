@@ -65,7 +65,7 @@ class ZmqWeightPublisher:
     `TrajectoryQueueServer.broadcast`: it sends one BULK once the window has room (TimeoutError
     after `wait_s`) and returns a ticket whose `wait(timeout)` returns once every producer handled it."""
 
-    def __init__(self, send: Callable[[dict[str, Any], float], Any], bucket_bytes: int, deadline_s: float):
+    def __init__(self, send: Callable[..., Any], bucket_bytes: int, deadline_s: float):
         if not deadline_s > 0:
             raise ValueError(f"weight_sync.deadline_s: must be > 0, got {deadline_s}")
         self.send = send
@@ -100,7 +100,7 @@ class ZmqWeightPublisher:
             try:
                 ticket.wait(max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise self._late(version, "the last bucket") from None
+                raise self._late(version, "the last bucket", "staged by the rollout side") from None
         self.last_version = version
         self.stats = {"sync/publish_s": time.perf_counter() - t0, "sync/bytes": float(layout.data_len),
                       "sync/buckets": float(len(layout.buckets)), "sync/crc_s": crc_s, "sync/window_wait_s": wait_s,
@@ -114,8 +114,8 @@ class ZmqWeightPublisher:
         except TimeoutError:
             raise self._late(control["version"], what) from None
 
-    def _late(self, version: int, what: str) -> WeightSyncError:
-        return WeightSyncError(f"weights v{version}: {what} not sent within weight_sync.deadline_s="
+    def _late(self, version: int, what: str, done: str = "sent") -> WeightSyncError:
+        return WeightSyncError(f"weights v{version}: {what} not {done} within weight_sync.deadline_s="
                                f"{self.deadline_s:g}s (is the rollout side reading?)")
 
 
