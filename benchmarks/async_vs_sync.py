@@ -14,7 +14,7 @@ staleness of the trajectories trained (histogram), reward and held-out accuracy 
 the same number of trained samples. Writes benchmarks/results/async_vs_sync.{md,json,png}.
 
     python benchmarks/async_vs_sync.py --quick          # under 5 minutes
-    python benchmarks/async_vs_sync.py                  # configs/bench_cpu.yaml, 30 steps, eta 0 1 2 4 8
+    python benchmarks/async_vs_sync.py                  # configs/bench_cpu.yaml, 20 steps, eta 0 1 2 4 8
 """
 
 from __future__ import annotations
@@ -100,16 +100,16 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/bench_cpu.yaml")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3, help="train steps left out of the throughput window")
     ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8], help="max_staleness of the async runs")
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
-    ap.add_argument("--quick", action="store_true", help="12 steps, eta 0 2 8: under 5 minutes")
+    ap.add_argument("--quick", action="store_true", help="8 steps, sync and eta 2 only: under 5 minutes")
     ap.add_argument("--name", default="async_vs_sync", help="results file name under benchmarks/results/")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.eta, args.warmup = 12, [0, 2, 8], 2
+        args.steps, args.eta, args.warmup = 8, [2], 2
     results, curves = [], {}
     for setup in args.setups:
         for mode, eta in [("sync", 0)] + [("async", e) for e in args.eta]:

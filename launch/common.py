@@ -62,20 +62,29 @@ def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
     return dataclasses.replace(cfg, model=model, trainer=trainer), lines
 
 
+def pin_to_pool(cfg: Config, role: str) -> list[int]:
+    """Pin this process to its side's pool of CPUs (`cores.engine` for the rollout side's processes,
+    `cores.trainer` for the trainer's), if one is configured; return the pool."""
+    key = "trainer" if role == "trainer" else "engine"
+    pool = cfg.cores.trainer if key == "trainer" else cfg.cores.engine
+    if pool:
+        try:
+            os.sched_setaffinity(0, pool)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cores.{key}: cannot pin to CPUs {pool} ({exc})") from None
+        logger.info("%s pinned to CPUs %s", role, pool)
+    return pool
+
+
 def setup_cores(cfg: Config, role: str) -> CoreShare | None:
     """CPU cores of this process (`role`: engine | trainer).
 
     A pool (`cores.engine` / `cores.trainer` lists) pins the process to those CPUs, as separate
     GPU pools are separate; otherwise the process gets its configured threads and, with
     `cores.share`, borrows the cores of local processes that are waiting (see utils/cores.py)."""
-    pool = cfg.cores.engine if role == "engine" else cfg.cores.trainer
+    pool = pin_to_pool(cfg, role)
     if pool:
-        try:
-            os.sched_setaffinity(0, pool)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cores.{role}: cannot pin to CPUs {pool} ({exc})") from None
         torch.set_num_threads(len(pool))
-        logger.info("%s pinned to CPUs %s", role, pool)
         return None
     configured = cfg.engine.num_threads if role == "engine" else cfg.trainer.num_threads
     threads = effective_threads(configured, cfg.mode)

@@ -29,7 +29,7 @@ from async_rl.tasks import build_task
 from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.receivers import build_receiver
-from launch.common import effective_threads
+from launch.common import effective_threads, pin_to_pool
 from launch.procs import stop_all, with_overrides
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ def start_servers(cfg: Config) -> tuple[list[Any], list[str]]:
 
 def rollout_main(cfg: Config) -> None:
     torch.set_num_threads(1)  # this process only does I/O; the servers do the math
+    pin_to_pool(cfg, "rollout")  # the controller belongs to the rollout pool, beside its servers
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "eval.jsonl").unlink(missing_ok=True)
     procs: list[Any] = []
