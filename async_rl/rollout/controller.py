@@ -164,6 +164,8 @@ class RolloutController:
         self._seed = seed
         if self.periodic_eval is not None:
             self.periodic_eval.started = time.perf_counter()  # the training clock starts with generation
+        if self.metrics is not None:  # when generation began: whole-run throughput is measured from here
+            self.metrics.log({"rollout/generation_started": 1.0}, step=0)
         samples = self.task.train_samples(seed)
         if self._own_pool:
             self.pool.start()
