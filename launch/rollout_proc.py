@@ -72,7 +72,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool) -> None:
     queue = TrajectoryQueueClient(cfg.transport.addr, heartbeat_s=cfg.transport.heartbeat_s,
                                   peer_timeout_s=cfg.transport.peer_timeout_s)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
-    metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=False)
+    metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
     pool.start()
     try:
         await queue.connect(cfg.rollout.connect_timeout_s)
