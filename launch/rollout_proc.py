@@ -23,6 +23,7 @@ from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import load_tokenizer
 from async_rl.rollout.controller import RolloutController
 from async_rl.rollout.evaluate import evaluate
+from async_rl.rollout.periodic_eval import record_eval
 from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.tasks import build_task
@@ -36,9 +37,7 @@ logger = logging.getLogger(__name__)
 
 
 def _record_eval(cfg: Config, when: str, version: int, stats: dict) -> None:
-    row = {"when": when, "policy_version": version, **stats}
-    with (Path(cfg.run_dir) / "eval.jsonl").open("a") as fh:
-        fh.write(json.dumps(row) + "\n")
+    record_eval(cfg.run_dir, {"when": when, "policy_version": version, **stats})
     logger.info("eval %s (v%d): accuracy %.3f on %d problems", when, version, stats["eval/accuracy"], stats["eval/n"])
 
 
