@@ -89,13 +89,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--name", default="learning")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the result of a run already finished under runs/learning/ (resume an interrupted table)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
     rows, curves = [], {}
     for label in args.settings:
         for seed in args.seeds:
             run_dir = ROOT / "runs" / "learning" / f"{label}_s{seed}"
-            rows.append(run_one(args.config, label, seed, args.steps, args.eval_every, run_dir, args.overrides))
+            saved = run_dir / "learning_row.json"
+            if args.reuse and saved.is_file():
+                rows.append(json.loads(saved.read_text()))
+            else:
+                rows.append(run_one(args.config, label, seed, args.steps, args.eval_every, run_dir, args.overrides))
+                saved.write_text(json.dumps(rows[-1]))
             curves[f"{label} seed {seed}"] = run_dir
             r = rows[-1]
             print(f"{label} seed {seed}: accuracy {r['acc_before']:.3f} -> {r['acc_after']:.3f}, "
