@@ -77,7 +77,20 @@ class RolloutConfig:
     health_interval_s: float = 5.0  # how often each server's health is checked; a failing one leaves rotation
     connect_timeout_s: float = 60.0  # how long to wait for servers and the trainer to answer
     eval_max_new_tokens: int = 16  # response length limit of the greedy evaluation
+    trace_every: int = 0  # write a readable per-turn trace of every Nth episode to run_dir/traces.jsonl (0 = off)
     eval_every: int = 0  # also evaluate every N policy versions, beside training (0 = only before and after)
+
+
+@dataclass
+class AgentConfig:
+    tools_config: str = ""  # YAML file of tools agent loops may call (see async_rl/agent/tools/base.py); "" = none
+    interactions_config: str = ""  # YAML file of named interactions (simulated users); "" = none
+    tool_parser: str = "hermes"  # how tool calls are read from the model's text (async_rl/tool_parsers.py)
+    max_assistant_turns: int = 4  # most model turns of one episode
+    max_user_turns: int = 4  # most interaction (simulated user) replies of one episode
+    max_response_tokens: int = 512  # everything after the prompt (model + tool + user tokens); cut beyond
+    max_parallel_tool_calls: int = 8  # tool calls of one turn run concurrently; more than this are refused
+    modules: list[str] = field(default_factory=list)  # modules imported at start so their agents/tools register
 
 
 @dataclass
@@ -153,6 +166,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
@@ -192,10 +206,13 @@ def validate(cfg: Config) -> None:
                 "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",
                 "transport.capacity", "task.eval_size", "rollout.num_servers", "trainer.world_size",
                 "weight_sync.bucket_mb", "weight_sync.deadline_s", "rollout.health_interval_s",
-                "ray.placement_timeout_s"]
+                "ray.placement_timeout_s", "agent.max_assistant_turns", "agent.max_response_tokens",
+                "agent.max_parallel_tool_calls"]
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)!r}")
+    if cfg.agent.max_user_turns < 0 or cfg.rollout.trace_every < 0:
+        raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
     if cfg.max_staleness < 0:
         raise ConfigError(f"max_staleness: must be >= 0, got {cfg.max_staleness}")
     if cfg.trainer.batch_size % cfg.rollout.group_size:

@@ -16,9 +16,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
-from async_rl.agent import build_agent_loop
+from async_rl.agent import as_trajectory, build_agent_context, build_agent_loop
+from async_rl.agent.trace import TraceWriter
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
 from async_rl.rollout.failover import PooledGenerationClient
@@ -63,6 +65,9 @@ class RolloutController:
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
         self._seed = cfg.seed
+        self.tracer = TraceWriter(Path(cfg.run_dir) / "traces.jsonl", cfg.rollout.trace_every) \
+            if cfg.rollout.trace_every > 0 else None
+        self.agent_context = build_agent_context(cfg.agent, trace=self.tracer)
         self.periodic_eval: PeriodicEval | None = None
         if cfg.rollout.eval_every > 0:
             self.periodic_eval = PeriodicEval(
@@ -78,8 +83,8 @@ class RolloutController:
             client = PooledGenerationClient(self.pool, sticky=True,
                                             acquire_timeout_s=self.cfg.rollout.connect_timeout_s)
             agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, client, self.tokenizer,
-                                     self.task.reward)
-            return await agent.run(sample, params, group_id=group_id)
+                                     self.task.reward, self.agent_context)
+            return as_trajectory(await agent.run(sample, params, group_id=group_id), group_id, sample)
 
     async def _group(self, sample: Sample) -> None:
         group_id = new_id()
@@ -184,6 +189,8 @@ class RolloutController:
             logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
         if self.periodic_eval is not None:
             await self.periodic_eval.close()
+        if self.tracer is not None:
+            self.tracer.close()
         if self._own_pool:
             await self.pool.close(close_clients=False)
         if self._error is not None:

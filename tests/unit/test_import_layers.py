@@ -10,8 +10,9 @@ ALLOWED = {
     "rewards": {"types"},
     "tasks": {"types", "config", "rewards"},
     "transport": BASE,
-    "engine": BASE | {"weight_sync"},  # the engine loads what a weight transport delivers
-    "agent": BASE | {"rewards"},
+    "tool_parsers": set(),  # model text -> tool calls: the OpenAI server and the agent loops both parse
+    "engine": BASE | {"weight_sync", "tool_parsers"},  # the engine loads what a weight transport delivers
+    "agent": BASE | {"rewards", "tool_parsers"},
     "rollout": BASE | {"agent", "transport", "engine", "rewards", "tasks", "weight_sync"},
     "trainer": BASE,
     "weight_sync": BASE,

@@ -1,0 +1,5 @@
+"""Tools agent loops can call: the contract (`base`) and the built-ins it registers."""
+
+from async_rl.agent.tools.base import TOOLS, BaseTool, ToolResult, build_tool, load_tools, register_tool
+
+__all__ = ["TOOLS", "BaseTool", "ToolResult", "build_tool", "load_tools", "register_tool"]
