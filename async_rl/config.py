@@ -61,6 +61,8 @@ class TaskConfig:
     answer_pick: str = "last"  # which number of the response is the answer: last ("2+3=5") | first
     eval_size: int = 64  # held-out problems for greedy accuracy before/after training
     eval_seed: int = 12345  # seed of the held-out set (disjoint stream from training)
+    agents: list[str] = field(default_factory=list)  # agent loops samples name, cycled per prompt; [] = task default
+    interactions: list[str] = field(default_factory=list)  # interactions samples name, cycled; [] = task default
 
 
 @dataclass
@@ -108,6 +110,8 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # token budget of one forward/backward
     loss: str = "decoupled_ppo"  # policy loss from trainer/loss.py LOSSES: decoupled_ppo | no_behav_correction (ablation)
     adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
+    advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores)
+    turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens
     checkpoint_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
     compute_dtype: str = "auto"  # auto | float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync

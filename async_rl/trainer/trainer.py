@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from async_rl.config import TrainerConfig
-from async_rl.trainer.advantages import group_advantages
+from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
 from async_rl.trainer.loss import get_loss
 from async_rl.types import Trajectory
@@ -58,6 +58,7 @@ class PPOTrainer:
         self.max_staleness = max_staleness
         self.policy_version = policy_version
         self.loss_fn = get_loss(loss or cfg.loss)
+        self.advantage_fn = get_advantage(cfg.advantage)
         self.device = next(model.parameters()).device
         self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.device).dtype  # autocast dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -128,8 +129,7 @@ class PPOTrainer:
                 "train/versions_per_traj_max": float(max(mixed)) if mixed else 0.0}
 
     def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
-        adv = group_advantages([t.reward for t in trajs], [t.group_id for t in trajs],
-                               std_norm=self.cfg.adv_std_norm)  # [N]
+        adv = self.advantage_fn(trajs, self.cfg)  # [N], or [N, trained tokens] (trainer.advantage)
         minibatches = self._split(trajs, adv)
         stats = self._staleness(minibatches)
         local = [self._local_share(micros) for micros in minibatches]  # what this process runs
