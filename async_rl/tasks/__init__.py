@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from async_rl.config import TaskConfig
 from async_rl.tasks.arith import ArithTask
+from async_rl.tasks.interaction_debug import InteractionDebugTask
+from async_rl.tasks.tir_arith import TirArithTask
 
-TASKS = {"arith": ArithTask}
+TASKS = {"arith": ArithTask, "tir_arith": TirArithTask, "interaction_debug": InteractionDebugTask}
 
 
 def build_task(cfg: TaskConfig):

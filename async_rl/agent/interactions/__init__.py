@@ -1,5 +1,6 @@
 """Interactions (simulated users) for multi-turn agent loops: the contract and the built-ins."""
 
+from async_rl.agent.interactions import builtin  # noqa: F401  (registers arith_user, echo_user)
 from async_rl.agent.interactions.base import (INTERACTIONS, BaseInteraction, InteractionTurn, load_interactions,
                                               register_interaction)
 

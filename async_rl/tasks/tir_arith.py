@@ -1,0 +1,77 @@
+"""Tool-integrated reasoning on arithmetic: multi-digit problems where calling a tool pays.
+
+Each sample is a chat whose system prompt says a `python` tool and a `calculator` are
+available and shows how to call one in the Hermes format the tool agent loop parses:
+
+    <tool_call>{"name": "python", "arguments": {"code": "print(17*23)"}}</tool_call>
+
+The tool schemas also go to the chat template (`tools=`), but small models' templates
+often ignore them, so the system prompt carries everything the model needs. Samples run
+on `tool_agent` (or the loops `task.agents` names, cycled per prompt); the reward is 1 when
+the last number of the final assistant turn equals the answer (`task.answer_pick`).
+
+The held-out set uses the same prompts. The built-in evaluation is single-turn (it does not
+run tools), so it measures answers the model writes without a tool result.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+from collections.abc import Iterator
+
+from async_rl.config import TaskConfig
+from async_rl.rewards.math import exact_number_reward
+from async_rl.types import Sample
+
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+SYSTEM_PROMPT = (
+    "You are a careful assistant who solves arithmetic with tools. Tools you can call:\n"
+    "- python: runs Python code and returns what it prints. Arguments: {\"code\": \"...\"}\n"
+    "- calculator: evaluates an arithmetic expression. Arguments: {\"expression\": \"...\"}\n"
+    "To call a tool, write exactly one line like\n"
+    "<tool_call>{\"name\": \"python\", \"arguments\": {\"code\": \"print(17*23)\"}}</tool_call>\n"
+    "and stop; the result comes back in the next message. Then give the final answer as "
+    "\"The answer is N.\""
+)
+QUESTION = "What is {a} {op} {b}?"
+
+
+def cycled(names: list[str], i: int, default: str) -> str:
+    """The i-th name of a list cycled per prompt, or the default when the list is empty."""
+    return names[i % len(names)] if names else default
+
+
+class TirArithTask:
+    """"What is 347 * 86?" with tools on offer; reward = exact last number of the final answer."""
+
+    default_agent = "tool_agent"
+
+    def __init__(self, cfg: TaskConfig):
+        unknown = [op for op in cfg.ops if op not in _OPS]
+        if unknown or not cfg.ops:
+            raise ValueError(f"task.ops: unknown operator(s) {unknown or cfg.ops}; allowed: {sorted(_OPS)}")
+        self.cfg = cfg
+
+    def _make(self, rng: random.Random, idx: str, i: int) -> Sample:
+        a = rng.randint(self.cfg.min_operand, self.cfg.max_operand)
+        b = rng.randint(self.cfg.min_operand, self.cfg.max_operand)
+        op = rng.choice(self.cfg.ops)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": QUESTION.format(a=a, op=op, b=b)}]
+        return Sample(id=idx, messages=messages, answer=str(_OPS[op](a, b)),
+                      agent=cycled(self.cfg.agents, i, self.default_agent), info={"a": a, "b": b, "op": op})
+
+    def train_samples(self, seed: int) -> Iterator[Sample]:
+        rng = random.Random(seed)
+        i = 0
+        while True:
+            yield self._make(rng, f"train-{i}", i)
+            i += 1
+
+    def eval_samples(self) -> list[Sample]:
+        rng = random.Random(self.cfg.eval_seed)
+        return [self._make(rng, f"eval-{i}", i) for i in range(self.cfg.eval_size)]
+
+    def reward(self, sample: Sample, response_text: str) -> float:
+        return exact_number_reward(response_text, sample.answer, self.cfg.answer_pick)
