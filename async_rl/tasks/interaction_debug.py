@@ -25,7 +25,7 @@ from async_rl.types import Sample
 
 OPENING = "say {text}"
 # what the user and the chat template say around the model's turns (see configs/interactions/default.yaml)
-USER_CHARS = set("say no, 0123456789") | set("user assistant\n")
+USER_CHARS = set("say no,") | set("user assistant\n")  # plus the digits drawn
 
 
 class InteractionDebugTask:
