@@ -49,6 +49,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse KV of shared prefixes (GRPO groups, turns)
     num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
+    tool_parser: str = "hermes"  # how /v1/chat/completions reads tool calls from the text (async_rl/tool_parsers.py)
 
 
 @dataclass

@@ -11,6 +11,17 @@ For RL, every answer also carries the exact tokens: `prompt_token_ids` (top leve
 and per choice `token_ids` and `meta_info` (per-token policy versions and log-probs, as
 in the native /generate). Stop strings are cut from `content`/`text`, never from
 `token_ids`. The request's `model` is not checked: the server serves one model.
+
+Tool calls (when the request carries `tools`): the generated text is read by the parser
+named in `engine.tool_parser` (`async_rl.tool_parsers`); well-formed calls come back as
+`message.tool_calls` (ids `call_<hex>`, `function.arguments` a JSON string) with their markup
+removed from `content` (null when nothing else was said) and `finish_reason: "tool_calls"`
+(when the turn ended by itself); a call the parser cannot read stays in `content` as text.
+With `stream: true` and tools the answer is buffered: the role chunk, then one delta holding
+all the content and `tool_calls` (and the turn's `token_ids`) at the end, then the finish chunk.
+Requests without `tools` stream and answer exactly as before. Incoming assistant messages with
+`tool_calls` and `tool` messages go to the chat template; a template that does not render
+`tool_calls` gets them written into the assistant's content in the parser's format.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from async_rl.engine.async_engine import AsyncEngine, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
 from async_rl.engine.server import ApiError, finish_all_or_disconnect, meta_info, sse
 from async_rl.models import chat_prompt_ids
+from async_rl.tool_parsers import (ToolParser, build_tool_parser, chat_template_messages, openai_assistant_message,
+                                   template_knows_tool_calls)
 from async_rl.types import GenerationOutput, SamplingParams, new_id
 
 MAX_N = 64  # most choices one request may ask for
@@ -100,8 +113,8 @@ class _TextStream:
 
 
 class _OpenAI:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, parser: ToolParser):
+        self.engine, self.tokenizer, self.model_name, self.parser = engine, tokenizer, model_name, parser
 
     # ------------------------------------------------------------------ shared
     def tok(self, field: str) -> Any:
@@ -165,9 +178,11 @@ class _OpenAI:
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         tok = self.tok("messages")
         try:
-            return chat_prompt_ids(tok, _messages(req.messages), req.tools)
-        except ApiError:
-            raise
+            messages = chat_template_messages(req.messages, self.parser, template_knows_tool_calls(tok.chat_template))
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            return chat_prompt_ids(tok, messages, req.tools)
         except Exception as exc:  # jinja errors of a template that does not fit these messages
             raise ApiError(400, f"messages: the chat template failed: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
                 from None
@@ -180,6 +195,13 @@ class _OpenAI:
                     for tid, alp in (tops[j] if tops else [])]
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
         return {"content": content}
+
+    def reply(self, out: GenerationOutput, req: ChatRequest) -> tuple[dict[str, Any], str]:
+        """The assistant message of one choice and its finish reason (tool calls parsed when tools were given)."""
+        text = _cut_at_stop(self.tokenizer.decode(out.output_ids, skip_special_tokens=True), self.stops(req))
+        if not req.tools:
+            return {"role": "assistant", "content": text}, out.finish_reason
+        return openai_assistant_message(text, self.parser, out.finish_reason)
 
     async def chat(self, req: ChatRequest, request: Request) -> Any:
         prompt = self.chat_prompt(req)
@@ -196,14 +218,21 @@ class _OpenAI:
         outs = await finish_all_or_disconnect(handles, request)
         if outs is None:
             return Response(status_code=499)
-        stops = self.stops(req)
-        choices = [{"index": i, "message": {"role": "assistant", "content": _cut_at_stop(
-                        self.tokenizer.decode(o.output_ids, skip_special_tokens=True), stops)},
+        choices = [{"index": i, "message": message,
                     "logprobs": self.chat_logprobs(o.output_ids, o.output_logprobs, o.output_top_logprobs)
                     if req.logprobs else None,
-                    "finish_reason": o.finish_reason, **self.extras(o)} for i, o in enumerate(outs)]
+                    "finish_reason": reason, **self.extras(o)}
+                   for i, o in enumerate(outs) for message, reason in [self.reply(o, req)]]
         return {**self.base(rid, "chat.completion"), "choices": choices, "usage": self.usage(len(prompt), outs),
                 "prompt_token_ids": prompt}
+
+    def buffered_delta(self, out: GenerationOutput, req: ChatRequest) -> tuple[dict[str, Any], str]:
+        """The one delta of a buffered stream (a request with tools): all content and the tool calls."""
+        message, reason = self.reply(out, req)
+        delta: dict[str, Any] = {"content": message["content"]}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(message["tool_calls"])]
+        return delta, reason
 
     async def chat_stream(self, rid: str, handle: RequestHandle, req: ChatRequest,
                           prompt: list[int]) -> AsyncIterator[str]:
@@ -217,13 +246,21 @@ class _OpenAI:
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             text = _TextStream(self.tokenizer, self.stops(req))
             async for d in handle:
-                piece = text.push(d.new_token_ids, d.finished)
-                if d.new_token_ids:
-                    lp = self.chat_logprobs(d.new_token_ids, d.new_logprobs, d.new_top_logprobs) \
-                        if req.logprobs else None
-                    yield chunk({"content": piece}, logprobs=lp, token_ids=d.new_token_ids)
+                reason = d.output.finish_reason if d.finished else None
+                if req.tools:  # buffered: the calls are known only once the turn is complete
+                    if d.finished:
+                        delta, reason = self.buffered_delta(d.output, req)
+                        lp = self.chat_logprobs(d.output.output_ids, d.output.output_logprobs,
+                                                d.output.output_top_logprobs) if req.logprobs else None
+                        yield chunk(delta, logprobs=lp, token_ids=d.output.output_ids)
+                else:
+                    piece = text.push(d.new_token_ids, d.finished)
+                    if d.new_token_ids:
+                        lp = self.chat_logprobs(d.new_token_ids, d.new_logprobs, d.new_top_logprobs) \
+                            if req.logprobs else None
+                        yield chunk({"content": piece}, logprobs=lp, token_ids=d.new_token_ids)
                 if d.finished:
-                    yield chunk({}, finish_reason=d.output.finish_reason, meta_info=self.extras(d.output)["meta_info"])
+                    yield chunk({}, finish_reason=reason, meta_info=self.extras(d.output)["meta_info"])
                     if req.stream_options and req.stream_options.include_usage:
                         yield sse({**base, "choices": [], "usage": self.usage(len(prompt), [d.output])})
             yield sse("[DONE]")
@@ -313,31 +350,6 @@ class _OpenAI:
                                             "owned_by": "async_rl", "max_model_len": self.engine.max_context}]}
 
 
-def _messages(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with string content (text parts joined), checked field by field."""
-    if not raw:
-        raise ApiError(400, "messages: must be a non-empty list")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            raise ApiError(400, f"messages[{i}].role: required (a string)")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}].content[{j}]: only {{'type': 'text', 'text': ...}} parts "
-                                        "are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content: must be a string or a list of text parts")
-        out.append({**m, "content": content})
-    return out
-
-
 def _openai_names(message: str) -> str:
     """Engine/SamplingParams field names -> the names the OpenAI request used."""
     return (message.replace("sampling_params.max_new_tokens", "max_tokens")
@@ -345,7 +357,12 @@ def _openai_names(message: str) -> str:
 
 
 def add_openai_routes(app: FastAPI, engine: AsyncEngine, *, tokenizer: Any, model_name: str) -> None:
-    h = _OpenAI(engine, tokenizer, model_name)
+    name = getattr(engine.engine.config, "tool_parser", "hermes")
+    try:
+        parser = build_tool_parser(name)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("agent.tool_parser", "engine.tool_parser")) from None
+    h = _OpenAI(engine, tokenizer, model_name, parser)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
