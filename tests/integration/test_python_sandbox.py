@@ -1,0 +1,241 @@
+"""The `python` tool, run for real: each escape attempt or runaway comes back to the model as
+a tool error naming the cause, and the next call still works; output, scratch, concurrency
+and YAML configuration behave as documented.
+
+The tool is built from a tools YAML (short limits), with a "run directory" holding a
+secret as protected dir. The isolation is whatever this machine supports (namespaces via
+`unshare` where allowed, else the audit-hook fallback); a second tool forces the fallback
+so both modes are exercised wherever namespaces work.
+"""
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from async_rl.agent.tools import load_tools
+from async_rl.agent.tools.python_sandbox import PythonTool
+
+SECRET = "s3cret-token-7f1c"
+TOOLS_YAML = """\
+tools:
+  - name: python
+    config:
+      timeout_s: 3
+      cpu_s: 1
+      memory_mb: 512
+      max_processes: 16
+      max_output_chars: 600
+      scratch_root: {scratch}
+      protected_dirs: [{run}]
+      isolation: {isolation}
+  - name: calculator
+"""
+
+
+class TcpServer:
+    """A localhost listener that counts the connections it accepts."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port, self.accepted, self.stop = self.sock.getsockname()[1], 0, False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+
+
+def _build(tmp, isolation):
+    run_dir, scratch = tmp / "run", tmp / f"scratch_{isolation}"
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "secret.txt").write_text(SECRET)
+    path = tmp / f"tools_{isolation}.yaml"
+    path.write_text(TOOLS_YAML.format(scratch=scratch, run=run_dir, isolation=isolation))
+    tools = load_tools(path)
+    asyncio.run(tools["python"].create("ep"))
+    return tools["python"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sandbox")
+    os.chmod(tmp, 0o755)
+    tool = _build(tmp, "auto")
+    server = TcpServer()
+    yield tool, tmp, server
+    server.close()
+    asyncio.run(tool.release("ep"))
+
+
+@pytest.fixture(scope="module")
+def fallback(env):
+    tool = _build(env[1], "audit")
+    yield tool
+    asyncio.run(tool.release("ep"))
+
+
+def run(tool, code, instance="ep"):
+    return asyncio.run(tool.execute(instance, {"code": code}))
+
+
+def assert_refused(tool, code, *causes):
+    """The call is a tool error naming one of `causes`, and the tool still works afterwards."""
+    result = run(tool, code)
+    assert result.error, result.text
+    assert any(c in result.text for c in causes), result.text
+    assert SECRET not in result.text
+    after = run(tool, "print('still works', 6 * 7)")
+    assert not after.error and after.text == "still works 42", after.text
+    return result
+
+
+def test_runs_code_and_prints_its_output(env):
+    tool = env[0]
+    result = run(tool, "import math\nfor i in range(3):\n    print(i, math.factorial(i + 3))")
+    assert not result.error and result.text == "0 6\n1 24\n2 120"
+    assert result.metrics["tool/python_wall_s"] > 0 and result.metrics["tool/python_error"] == 0.0
+    failed = assert_refused(tool, "def f(:\n  pass", "syntax error")
+    assert "SyntaxError" in failed.text
+    raised = assert_refused(tool, "x = 1\nraise ValueError('bad value')", "exception: ValueError: bad value")
+    assert 'line 2' in raised.text and "sandbox_runner" not in raised.text
+
+
+def test_network_is_refused(env):
+    tool, _, server = env
+    connect = f"import socket\nsocket.create_connection(('127.0.0.1', {server.port}), timeout=2)\nprint('connected')"
+    assert_refused(tool, connect, "network access is disabled", "Network is unreachable")
+    assert_refused(tool, "import socket\nprint(socket.getaddrinfo('example.com', 443))",
+                   "network access is disabled", "Temporary failure", "Name or service not known")
+    if tool.isolation.namespaces:  # a child process has no audit hook: the empty net namespace stops it
+        child = ("import subprocess, sys\nr = subprocess.run([sys.executable, '-c', " + repr(connect) + "], "
+                 "capture_output=True, text=True)\nprint(r.returncode, r.stderr.strip().splitlines()[-1])")
+        result = run(tool, child)
+        assert "Network is unreachable" in result.text and "connected" not in result.text, result.text
+    assert server.accepted == 0
+
+
+def test_writes_outside_scratch_are_refused(env):
+    tool, tmp, _ = env
+    target = tmp / "outside.txt"
+    assert_refused(tool, f"open({str(target)!r}, 'w').write('x')", "only the scratch directory is writable")
+    assert_refused(tool, f"import os\nos.mkdir({str(tmp / 'newdir')!r})", "only the scratch directory is writable")
+    if tool.isolation.namespaces:  # past the hook: the mount is read-only
+        result = run(tool, f"import subprocess\nprint(subprocess.run(['sh', '-c', 'echo x > {target}'], "
+                           "capture_output=True, text=True).stderr)")
+        assert "Read-only file system" in result.text, result.text
+    assert not target.exists() and not (tmp / "newdir").exists()
+
+
+def test_protected_run_directory_is_unreadable(env):
+    tool, tmp, _ = env
+    secret = tmp / "run" / "secret.txt"
+    assert_refused(tool, f"print(open({str(secret)!r}).read())", "protected directory")
+    assert_refused(tool, f"import os\nprint(os.listdir({str(tmp / 'run')!r}))", "protected directory",
+                   "Permission denied")
+    if tool.isolation.namespaces:  # past the hook: an empty tmpfs covers the directory
+        result = run(tool, f"import subprocess\nprint(subprocess.run(['cat', '{secret}'], "
+                           "capture_output=True, text=True))")
+        assert SECRET not in result.text and ("Permission denied" in result.text or "No such file" in result.text)
+
+
+def test_fork_bomb_is_stopped(env):
+    assert_refused(env[0], "import os\nwhile True:\n    os.fork()", "process limit", "fork is disabled")
+
+
+def test_infinite_loop_is_stopped(env):
+    result = assert_refused(env[0], "while True:\n    pass", "CPU time limit", "timeout")
+    assert result.metrics["tool/python_wall_s"] < 3 + 2.0
+
+
+def test_huge_allocation_is_stopped(env):
+    assert_refused(env[0], "x = bytearray(10 * 1024**3)\nprint(len(x))", "memory limit")
+
+
+def test_long_output_is_truncated(env):
+    result = run(env[0], "print('a' * 20000)\nprint('the end')")
+    assert not result.error and "output truncated" in result.text
+    assert len(result.text) < 600 + 100 and result.text.endswith("the end")
+    assert result.metrics["tool/python_output_chars"] > 20000
+
+
+def test_scratch_dir_is_writable_and_removed_on_release(env):
+    tool = env[0]
+    asyncio.run(tool.create("ep2"))
+    scratch = tool.scratch_dir("ep2")
+    assert run(tool, "open('notes.txt', 'w').write('kept')", "ep2").text == "(no output)"
+    result = run(tool, "import os\nprint(os.getcwd(), open('notes.txt').read())", "ep2")
+    assert result.text == f"{scratch} kept"
+    assert (scratch / "notes.txt").read_text() == "kept"
+    asyncio.run(tool.release("ep2"))
+    assert not scratch.exists()
+    assert "unknown instance" in run(tool, "print(1)", "ep2").text
+
+
+def test_calls_run_concurrently(env):
+    tool = env[0]
+
+    async def two():
+        start = time.monotonic()
+        results = await asyncio.gather(*(tool.execute("ep", {"code": "import time\ntime.sleep(1)\nprint('slept')"})
+                                         for _ in range(2)))
+        return time.monotonic() - start, results
+
+    wall, results = asyncio.run(two())
+    assert all(r.text == "slept" for r in results)
+    assert wall < 1.9, f"two 1 s sleeps took {wall:.2f} s together: they did not overlap"
+
+
+def test_yaml_configures_the_limits(env):
+    tool, tmp, _ = env
+    assert isinstance(tool, PythonTool)
+    c = tool.cfg
+    assert (c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_chars) == (3, 1, 512, 16, 600)
+    assert c.scratch_root == str(tmp / "scratch_auto") and c.protected_dirs == [str(tmp / "run")]
+    # 512 MB of address space: 300 MB fits, 700 MB does not
+    assert not run(tool, "x = bytearray(300 * 2**20)\nprint('ok')").error
+    assert "memory_mb=512" in run(tool, "x = bytearray(700 * 2**20)").text
+    bad = tmp / "bad.yaml"
+    bad.write_text("tools:\n  - name: python\n    config: {timeout_s: 3, wall_s: 1}\n")
+    with pytest.raises(ValueError, match="wall_s"):
+        load_tools(bad)
+    bad.write_text("tools:\n  - name: python\n    config: {isolation: chroot}\n")
+    with pytest.raises(ValueError, match="isolation"):
+        load_tools(bad)
+
+
+def test_bad_arguments_are_tool_errors(env):
+    tool = env[0]
+    for arguments in ({}, {"code": ""}, {"code": 5}, {"source": "print(1)"}):
+        result = asyncio.run(tool.execute("ep", arguments))
+        assert result.error and "`code`" in result.text
+
+
+@pytest.mark.parametrize("code, causes", [
+    ("import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)", ["network access is disabled"]),
+    ("open('/tmp/async_rl_sandbox_escape', 'w')", ["only the scratch directory is writable"]),
+    ("import subprocess\nsubprocess.run(['true'])", ["disabled in this sandbox (fallback mode)"]),
+    ("import os\nwhile True:\n    os.fork()", ["process limit", "fork is disabled"]),
+    ("x = bytearray(10 * 1024**3)", ["memory limit"]),
+])
+def test_fallback_mode_refuses_too(fallback, code, causes):
+    assert fallback.isolation.name == "audit" and not fallback.isolation.namespaces
+    assert_refused(fallback, code, *causes)
+    secret = os.path.join(fallback.cfg.protected_dirs[0], "secret.txt")
+    assert_refused(fallback, f"print(open({secret!r}).read())", "protected directory")
+    assert not os.path.exists("/tmp/async_rl_sandbox_escape")
