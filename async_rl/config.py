@@ -10,7 +10,7 @@ dotted key, so the command line can print one clear line. The top-level keys `mo
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,11 @@ class EngineConfig:
     num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
     tool_parser: str = "hermes"  # how /v1/chat/completions reads tool calls from the text (async_rl/tool_parsers.py)
+    # Bearer token the generation server requires on every route but /health(_generate) and
+    # /get_model_info (/model_info), and the rollout side sends; "" = open. "env:NAME" reads it from
+    # environment variable NAME (keeps it out of files and command lines); a literal is redacted
+    # from the saved config.yaml.
+    api_key: str = ""
 
 
 @dataclass
@@ -82,6 +87,9 @@ class RolloutConfig:
     eval_max_new_tokens: int = 16  # response length limit of the greedy evaluation
     trace_every: int = 0  # write a readable per-turn trace of every Nth episode to run_dir/traces.jsonl (0 = off)
     eval_every: int = 0  # also evaluate every N policy versions, beside training (0 = only before and after)
+    # an episode's turns stay on one server (its prefix cache); the episode moves to the least-loaded
+    # server when its own has more than this many requests in flight beyond that one (or leaves rotation)
+    sticky_overload_margin: int = 8
 
 
 @dataclass
@@ -124,6 +132,10 @@ class TransportConfig:
     capacity: int = 256  # trajectories the trainer buffers; a full buffer blocks producers
     heartbeat_s: float = 2.0  # keep-alive interval between rollout and trainer
     peer_timeout_s: float = 60.0  # a silent peer for this long is reported dead
+    rejoin_timeout_s: float = 120.0  # the trainer waits this long for a lost rollout side to come back (0 = fail)
+    # CURVE keys of the queue (and so of the zmq weight channel on it), from `async-rl keys --out DIR`:
+    # encrypted, and only producers whose key is in DIR/authorized_clients get in; "" = no auth.
+    curve_keys_dir: str = ""
 
 
 @dataclass
@@ -194,6 +206,43 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Files of transport.curve_keys_dir each side needs (the layout `async-rl keys` writes).
+CURVE_KEY_FILES: dict[str, tuple[str, ...]] = {
+    "trainer": ("server.key_secret", "authorized_clients"),  # its key pair; public keys of admitted producers
+    "rollout": ("server.key", "client.key_secret"),  # the trainer's public key; its own key pair
+}
+REDACTED = "<redacted>"
+
+
+def missing_curve_files(keys_dir: str | os.PathLike, side: str) -> list[str]:
+    """The files of CURVE_KEY_FILES[side] that `keys_dir` lacks."""
+    return [name for name in CURVE_KEY_FILES[side] if not (Path(keys_dir) / name).exists()]
+
+
+def resolve_secret(value: str, key: str) -> str:
+    """A secret config value: itself, or for "env:NAME" the environment variable NAME (ConfigError if unset)."""
+    if not value.startswith("env:"):
+        return value
+    name = value[len("env:"):]
+    secret = os.environ.get(name, "")
+    if not name or not secret:
+        raise ConfigError(f"{key}: environment variable {name!r} is not set (or empty); export it, "
+                          "or give the token itself")
+    return secret
+
+
+def _check_curve_keys(keys_dir: str) -> None:
+    """Each process needs only its side's files; a directory holding neither side's is an error."""
+    key = "transport.curve_keys_dir"
+    if not Path(keys_dir).is_dir():
+        raise ConfigError(f"{key}: no directory {keys_dir!r}; make keys with `async-rl keys --out {keys_dir}`")
+    missing = {side: missing_curve_files(keys_dir, side) for side in CURVE_KEY_FILES}
+    if all(missing.values()):
+        raise ConfigError(f"{key}: {keys_dir} lacks {Path(keys_dir) / missing['trainer'][0]} (trainer side) and "
+                          f"{Path(keys_dir) / missing['rollout'][0]} (rollout side); make keys with "
+                          f"`async-rl keys --out DIR`")
+
+
 def _get(cfg: Config, dotted: str) -> Any:
     obj: Any = cfg
     for part in dotted.split("."):
@@ -216,6 +265,8 @@ def validate(cfg: Config) -> None:
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)!r}")
+    if cfg.rollout.sticky_overload_margin < 0:
+        raise ConfigError(f"rollout.sticky_overload_margin: must be >= 0, got {cfg.rollout.sticky_overload_margin}")
     if cfg.agent.max_user_turns < 0 or cfg.rollout.trace_every < 0:
         raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
     if cfg.max_staleness < 0:
@@ -235,6 +286,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.task.min_operand > cfg.task.max_operand:
         raise ConfigError("task.min_operand: must be <= task.max_operand")
+    if cfg.transport.curve_keys_dir:
+        _check_curve_keys(cfg.transport.curve_keys_dir)
 
 
 def _explain(exc: OmegaConfBaseException) -> str:
@@ -275,9 +328,11 @@ def to_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
-    """Write the resolved config next to the run's outputs."""
+    """Write the resolved config next to the run's outputs (a literal engine.api_key redacted)."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.engine.api_key and not cfg.engine.api_key.startswith("env:"):
+        cfg = replace(cfg, engine=replace(cfg.engine, api_key=REDACTED))
     out.write_text(to_yaml(cfg))
     return out
 

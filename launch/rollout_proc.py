@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from async_rl.config import Config
+from async_rl.config import Config, resolve_secret
 from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import load_tokenizer
 from async_rl.rollout.controller import RolloutController
@@ -41,16 +41,17 @@ def _record_eval(cfg: Config, when: str, version: int, stats: dict) -> None:
     logger.info("eval %s (v%d): accuracy %.3f on %d problems", when, version, stats["eval/accuracy"], stats["eval/n"])
 
 
-def _clients(addrs: list[str], external: bool) -> list[HttpGenerationClient]:
+def _clients(cfg: Config, addrs: list[str], external: bool) -> list[HttpGenerationClient]:
+    api_key = resolve_secret(cfg.engine.api_key, "engine.api_key")  # the servers' bearer token ("" = none)
     try:
-        return [HttpGenerationClient(a) for a in addrs]
+        return [HttpGenerationClient(a, api_key=api_key) for a in addrs]
     except ValueError as exc:
         raise ValueError(f"rollout.server_addrs: {exc}" if external else str(exc)) from None
 
 
 async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: Any) -> ServerPool:
     """The servers as a pool, once each answers and runs the configured model (one clear error otherwise)."""
-    pool = ServerPool(_clients(addrs, external), health_interval_s=cfg.rollout.health_interval_s)
+    pool = ServerPool(_clients(cfg, addrs, external), health_interval_s=cfg.rollout.health_interval_s)
     try:
         for s in pool.servers:
             try:
@@ -69,19 +70,24 @@ async def _run(cfg: Config, addrs: list[str], external: bool) -> None:
     task = build_task(cfg.task)
     pool = await _ready_pool(cfg, addrs, external, tokenizer)
     queue = TrajectoryQueueClient(cfg.transport.addr, heartbeat_s=cfg.transport.heartbeat_s,
-                                  peer_timeout_s=cfg.transport.peer_timeout_s)
+                                  peer_timeout_s=cfg.transport.peer_timeout_s,
+                                  curve_keys_dir=cfg.transport.curve_keys_dir)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
     pool.start()
     try:
         await queue.connect(cfg.rollout.connect_timeout_s)
+        joined_at = int(queue.trainer_state.get("policy_version", 0))
         eval_set = task.eval_samples()
         mc = cfg.rollout.max_concurrent
         evaluator = [PooledGenerationClient(pool, acquire_timeout_s=cfg.rollout.connect_timeout_s)]
-        _record_eval(cfg, "before", 0, await evaluate(evaluator, tokenizer, task, eval_set,
-                                                      cfg.rollout.eval_max_new_tokens, mc))
+        if joined_at == 0:  # a side that joins a run in progress has no "before" to measure
+            (Path(cfg.run_dir) / "eval.jsonl").unlink(missing_ok=True)
+            _record_eval(cfg, "before", 0, await evaluate(evaluator, tokenizer, task, eval_set,
+                                                          cfg.rollout.eval_max_new_tokens, mc))
         controller = RolloutController(cfg, pool, queue, queue.controls(), tokenizer, task, metrics,
                                        weights=weights)
+        controller.join(queue.trainer_state)
         await controller.run(cfg.seed)
         if controller.final_version is not None:
             _record_eval(cfg, "after", controller.final_version,
@@ -132,7 +138,6 @@ def rollout_main(cfg: Config) -> None:
     torch.set_num_threads(1)  # this process only does I/O; the servers do the math
     pin_to_pool(cfg, "rollout")  # the controller belongs to the rollout pool, beside its servers
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.run_dir) / "eval.jsonl").unlink(missing_ok=True)
     procs: list[Any] = []
     addrs = list(cfg.rollout.server_addrs)
     external = bool(addrs)

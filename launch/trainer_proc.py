@@ -36,17 +36,21 @@ class PeerLostError(RuntimeError):
     """No rollout producer has been heard from for too long."""
 
 
-def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
+def _wait_batch(queue: TrajectoryQueueServer, cfg: Config, on_tick=None) -> list:
     """Block until a train batch is buffered; fail clearly if the rollout side is lost.
 
     The queue drops a producer silent for transport.peer_timeout_s (checked every heartbeat_s);
     when that leaves none, the rollout side is reported lost at once, so a killed rollout side
     is reported within peer_timeout_s + 2 * heartbeat_s. With no producer connected at all, it
     is reported after peer_timeout_s (said goodbye), or rollout.connect_timeout_s if none ever
-    sent anything (the rollout side may still be starting its servers)."""
+    sent anything (the rollout side may still be starting its servers). A rollout side that was
+    lost may come back within transport.rejoin_timeout_s (0 = report it lost at once); `on_tick`
+    runs between waits (the caller replays the current weights to a side that joined)."""
     silent_since: float | None = None
     timeout = cfg.transport.peer_timeout_s
     while True:
+        if on_tick is not None:
+            on_tick()
         try:
             # acknowledged only once trained and published: a trainer crash mid-step loses nothing
             return queue.get_groups(cfg.trainer.batch_size, timeout=cfg.transport.heartbeat_s, ack=False)
@@ -55,13 +59,17 @@ def _wait_batch(queue: TrajectoryQueueServer, cfg: Config) -> list:
             if stats.get("queue/producers", 0):
                 silent_since = None
                 continue
-            if stats.get("queue/lost_producers", 0):
+            if stats.get("queue/lost_producers", 0) and cfg.transport.rejoin_timeout_s <= 0:
                 raise PeerLostError(
                     f"lost the rollout side: no message from it at {queue.address} for more than {timeout:g}s "
                     "(transport.peer_timeout_s); did `async-rl rollout` crash?") from None
             silent_since = silent_since or time.monotonic()
-            wait, key = (timeout, "transport.peer_timeout_s") if stats.get("queue/received", 0) else \
-                (max(timeout, cfg.rollout.connect_timeout_s), "rollout.connect_timeout_s")
+            if stats.get("queue/lost_producers", 0):
+                wait, key = cfg.transport.rejoin_timeout_s, "transport.rejoin_timeout_s"
+            elif stats.get("queue/received", 0):
+                wait, key = timeout, "transport.peer_timeout_s"
+            else:
+                wait, key = max(timeout, cfg.rollout.connect_timeout_s), "rollout.connect_timeout_s"
             if time.monotonic() - silent_since > wait:
                 raise PeerLostError(
                     f"no rollout producer connected to {queue.address} for {wait:.0f}s "
@@ -117,23 +125,33 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
     traj_log = MetricsLogger(run_dir / "trajectories.jsonl", tensorboard=False) if cfg.log.trajectories else None
     queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
-                                  heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s)
+                                  heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s,
+                                  curve_keys_dir=cfg.transport.curve_keys_dir)
     logger.info("trainer queue listening on %s", queue.address)
     publisher = build_publisher(cfg, queue.broadcast)  # weight_sync.transport: disk | zmq | dist
     (run_dir / "trainer_address").write_text(queue.address)
     bar = tqdm(total=cfg.total_steps, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress, dynamic_ncols=True)
+    rejoin = _Rejoin(queue, publisher, trainer)
+    skipped = 0
     try:
-        for step in range(cfg.total_steps):
+        step = 0
+        while step < cfg.total_steps:
             t0 = time.perf_counter()
             if cores is not None:
                 cores.idle()
-            groups = _wait_batch(queue, cfg)
+            groups = _wait_batch(queue, cfg, on_tick=rejoin.check)
             wait_s = time.perf_counter() - t0
             if cores is not None:
                 cores.busy()
             if traj_log is not None:
                 _log_trajectories(traj_log, groups, step)
             stats = trainer.train_step(groups)
+            if stats.get("train/skipped_batch"):
+                skipped += 1
+                _skip_batch(queue, groups, trainer.policy_version, skipped)
+                continue
+            queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
+            stats["train/skipped_batches"] = skipped
             t1 = time.perf_counter()
             stats.update(publish_weights(publisher, queue, trainer.state_dict(), trainer.policy_version))
             queue.ack([t.id for g in groups for t in g])
@@ -148,6 +166,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             if every and (step + 1) % every == 0 and step + 1 < cfg.total_steps:
                 trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{step + 1:06d}"), step + 1,
                                         {"policy_version": trainer.policy_version})
+            step += 1
         trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{cfg.total_steps:06d}"), cfg.total_steps,
                                 {"policy_version": trainer.policy_version})
         queue.broadcast({"kind": "stop", "final_version": trainer.policy_version})
@@ -158,6 +177,37 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
         if traj_log is not None:
             traj_log.close()
         queue.close()
+
+
+class _Rejoin:
+    """Replays the current weights when a rollout side joins (or re-joins) a run in progress, so it
+    generates with the trainer's policy at once (its gate waits for them; see StalenessGate.join)."""
+
+    def __init__(self, queue: TrajectoryQueueServer, publisher: WeightPublisher, trainer) -> None:
+        self.queue, self.publisher, self.trainer = queue, publisher, trainer
+        self.sessions = 0
+
+    def check(self) -> None:
+        sessions = self.queue.stats().get("queue/sessions", 0)
+        if sessions <= self.sessions:
+            return
+        self.sessions = sessions
+        if self.trainer.policy_version == 0:
+            return  # a side that joins at the start already holds version 0
+        logger.info("a rollout side joined at version %d: publishing the current weights again",
+                    self.trainer.policy_version)
+        publish_weights(self.publisher, self.queue, self.trainer.state_dict(), self.trainer.policy_version)
+
+
+def _skip_batch(queue: TrajectoryQueueServer, groups: list, version: int, skipped: int) -> None:
+    """A batch the trainer dropped whole: counted once, acknowledged, and released from the rollout
+    side's staleness accounting; not a train step."""
+    ids = [t.id for g in groups for t in g]
+    queue.ack(ids)
+    queue.broadcast({"kind": "release", "n": len(ids),
+                     "reason": f"all {len(ids)} trajectories over-stale at version {version}"})
+    logger.warning("skipped batch %d: %d over-stale trajectories dropped, version stays %d",
+                   skipped, len(ids), version)
 
 
 def _log_trajectories(log: MetricsLogger, groups: list, step: int) -> None:

@@ -80,8 +80,8 @@ class RolloutController:
         # run is reproducible and eta=0 async samples exactly what sync does
         params = dataclasses.replace(self.params, seed=derive_seed(self._seed, sample.id, index))
         async with self.slots:
-            client = PooledGenerationClient(self.pool, sticky=True,
-                                            acquire_timeout_s=self.cfg.rollout.connect_timeout_s)
+            client = PooledGenerationClient(self.pool, sticky=True, acquire_timeout_s=self.cfg.rollout.connect_timeout_s,
+                                            overload_margin=self.cfg.rollout.sticky_overload_margin)
             agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, client, self.tokenizer,
                                      self.task.reward, self.agent_context)
             return as_trajectory(await agent.run(sample, params, group_id=group_id), group_id, sample)
@@ -118,8 +118,22 @@ class RolloutController:
                 return
             self._spawn(self._group(next(samples)))
 
+    def join(self, trainer_state: dict[str, int]) -> None:
+        """Start from the trainer's accounting when joining a run in progress (WELCOME's state): no
+        prompt is admitted before the trainer's current weights are loaded here."""
+        version, admitted = int(trainer_state.get("policy_version", 0)), int(trainer_state.get("admitted", 0))
+        if version == 0 and admitted == 0:
+            return
+        self.gate.join(admitted)
+        logger.info("joining a run in progress at version %d (%d trajectories already counted): "
+                    "generating once its weights are loaded", version, admitted)
+
     async def apply_weights(self, msg: dict[str, Any]) -> None:
         version = int(msg["version"])
+        if version <= self.pool.version:  # a replay for a side that just joined: we have these weights
+            await self.weights.release(await self.weights.prepare(msg))
+            logger.debug("weights v%d already loaded: replay ignored", version)
+            return
         stats = await update_servers(self.pool, self.weights, msg, self.cfg.weight_sync.deadline_s)
         self.gate.set_version(version)
         if self.periodic_eval is not None:
@@ -155,6 +169,10 @@ class RolloutController:
             kind = msg.get("kind")
             if kind == "weights":
                 await self.apply_weights(msg)
+            elif kind == "release":
+                self.gate.release(int(msg.get("n", 0)))
+                logger.warning("trainer dropped %s over-stale trajectories without a train step (%s)",
+                               msg.get("n"), msg.get("reason", ""))
             elif kind == "stop":
                 self.final_version = int(msg.get("final_version", self.gate.version))
                 logger.info("trainer finished at version %s: stopping rollout", self.final_version)

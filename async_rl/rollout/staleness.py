@@ -37,6 +37,20 @@ class StalenessGate:
             raise RuntimeError(f"staleness gate: admitting {k} would exceed {self.limit} at version {self.version}")
         self.admitted += k
 
+    def join(self, admitted: int) -> None:
+        """Start from the trainer's accounting (a side that joins a run in progress): `admitted`
+        trajectories are already counted. New prompts wait until the weights of the trainer's
+        version are loaded (`set_version`), so nothing is generated that is stale on arrival."""
+        if admitted > self.admitted:
+            self.admitted = admitted
+            self._changed.set()
+
+    def release(self, n: int) -> None:
+        """The trainer dropped `n` admitted trajectories without spending a version on them: they
+        no longer count against the bound (otherwise admission would stall)."""
+        self.admitted = max(0, self.admitted - n)
+        self._changed.set()
+
     def set_version(self, version: int) -> None:
         """The rollout side now samples with `version`; versions only move forward."""
         if version > self.version:

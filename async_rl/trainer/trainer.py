@@ -10,8 +10,10 @@ versions older than `policy_version`, (2) computes group-relative advantages, (3
 recomputes proximal log-probs with the current weights, (4) takes `cfg.minibatches`
 AdamW steps on the decoupled PPO loss, each accumulating gradients over micro-batches
 of at most `cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
-The version advances even when every trajectory was dropped: it counts train steps,
-and the rollout side's staleness gate admits new prompts only as it grows.
+A batch whose every trajectory is over-stale is not a train step: nothing is updated, the
+version stays, and the stats say `train/skipped_batch` (the caller tells the rollout side,
+whose staleness gate then stops counting those trajectories) — a side that fell behind
+cannot make the trainer spin through versions without training.
 """
 
 from __future__ import annotations
@@ -74,12 +76,17 @@ class PPOTrainer:
         kept = [t for t in trajs if t.oldest_version() >= floor]
         stats = self._batch_stats(trajs, kept)
         stats.update(self._version_stats(trajs))
-        if kept:
-            stats.update(self._update(kept))
-        else:
-            logger.warning("train step at version %d: all %d trajectories older than version %d, no update",
-                           self.policy_version, len(trajs), floor)
+        if not kept:
+            oldest = min((t.oldest_version() for t in trajs), default=-1)
+            logger.warning("batch of %d trajectories dropped whole at version %d: all sampled before version %d "
+                           "(oldest v%d) -- the rollout side is behind; no train step, the version stays",
+                           len(trajs), self.policy_version, floor, oldest)
             stats.update(_NO_UPDATE)
+            stats["train/skipped_batch"] = 1.0
+            stats["timing/train_s"] = time.perf_counter() - t0
+            return stats
+        stats.update(self._update(kept))
+        stats["train/skipped_batch"] = 0.0
         self.policy_version += 1
         stats["timing/train_s"] = time.perf_counter() - t0
         return stats
@@ -105,7 +112,13 @@ class PPOTrainer:
         """What the batch looked like on arrival (rewards and lengths of everything received)."""
         rewards = np.array([t.reward for t in trajs], dtype=np.float64)
         lengths = [len(t.response_ids) for t in trajs]
+        agent: dict[str, list[float]] = {}  # per-episode agent metrics (tool calls, turns, ...): batch means
+        for t in trajs:
+            for key, value in t.info.items():
+                if key.startswith("agent/") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    agent.setdefault(key, []).append(float(value))
         return {
+            **{f"rollout/{key}": float(np.mean(vals)) for key, vals in agent.items()},
             "train/reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
             "train/reward_std": float(rewards.std()) if len(trajs) else 0.0,
             "train/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,

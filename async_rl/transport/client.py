@@ -10,6 +10,9 @@ BULK messages (weight buckets) go to the handler registered for their kind with 
 run one at a time in a worker thread (so a bucket's checksum and write do not stall the event
 loop), with their data frames as `body["parts"]` (buffers valid during the call); the client
 drops the frames and then answers BULK_ACK, which is what lets the trainer send more.
+
+With `curve_keys_dir` (see `auth.py`) the socket is a CURVE client of the trainer; a trainer
+that refuses it at the handshake makes `connect` raise `HandshakeRefusedError` at once, saying why.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from async_rl.transport.auth import HANDSHAKE_FAILED, client_curve_options, client_handshake_error
 from async_rl.transport.messages import (
     BULK, MAX_ID_CHARS, TO_ROLLOUT, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
     TrainerHeartbeat, Welcome, pack, unpack)
@@ -55,9 +59,10 @@ class TrajectoryQueueClient:
     """
 
     def __init__(self, addr: str, *, producer_id: str | None = None, heartbeat_s: float = 2.0,
-                 peer_timeout_s: float = 60.0):
+                 peer_timeout_s: float = 60.0, curve_keys_dir: str = ""):
         _check_timing(heartbeat_s, peer_timeout_s)
         self.addr = _check_addr(addr)
+        self._curve = client_curve_options(curve_keys_dir) if curve_keys_dir else {}  # socket options
         self.producer_id = producer_id or f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}"
         if not 0 < len(self.producer_id) <= MAX_ID_CHARS or len(self.producer_id.encode()) > 255 \
                 or self.producer_id.startswith("\0"):
@@ -66,6 +71,7 @@ class TrajectoryQueueClient:
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self._sock: zmq.asyncio.Socket | None = None
         self.capacity = 0
+        self.trainer_state: dict[str, int] = {}  # from WELCOME: policy_version and admitted (the trainer's accounting)
         self._granted = self._sent = self._want = 0  # this session's credit counts (see messages.py)
         self._registered = False
         self._session = 0  # number of the last HELLO sent
@@ -101,33 +107,52 @@ class TrajectoryQueueClient:
                 "queue/bulk_held_bytes": self._bulk_held}
 
     async def connect(self, timeout_s: float = 30.0) -> None:
-        """Say HELLO and wait for WELCOME; raises PeerUnreachableError if nobody answers in time."""
+        """Say HELLO and wait for WELCOME; raises PeerUnreachableError if nobody answers in time,
+        HandshakeRefusedError if the trainer refuses the connection (CURVE keys)."""
         if self._sock is not None:
             raise RuntimeError("TrajectoryQueueClient.connect: already connected")
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), *self._curve.items()):
             sock.setsockopt(opt, value)
         sock.setsockopt(zmq.IDENTITY, self.producer_id.encode())
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # a refused handshake fails connect at once
         try:
             sock.connect(self.addr)
         except zmq.ZMQError as exc:
+            monitor.close(0)
             sock.close(0)
             raise ValueError(f"transport.addr: cannot connect to {self.addr}: {exc}") from None
         self._sock = sock
+        try:
+            msg = await self._welcome(monitor, timeout_s)
+        except BaseException:
+            self._sock = None
+            raise
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
+            if self._sock is None:
+                sock.close(0)
+        self._on_welcome(msg)
+        self._tasks = [asyncio.create_task(coro) for coro in (self._sender(), self._receiver(), self._heartbeats())]
+
+    async def _welcome(self, monitor: zmq.asyncio.Socket, timeout_s: float) -> Welcome:
         await self._hello()
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not await sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
-                self._sock = None
-                sock.close(0)
+            events = dict(await poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+            if monitor in events:
+                raise client_handshake_error(await monitor.recv_multipart(), self.addr)
+            if self._sock not in events:
                 raise PeerUnreachableError(f"no trainer answered at {self.addr} within {timeout_s:g}s "
                                            "(is the trainer running and bound to this address?)")
-            msg = self._parse(await sock.recv_multipart(copy=False))
+            msg = self._parse(await self._sock.recv_multipart(copy=False))
             if isinstance(msg, Welcome) and msg.session == self._session:
-                break
-        self._on_welcome(msg)
-        self._tasks = [asyncio.create_task(coro) for coro in (self._sender(), self._receiver(), self._heartbeats())]
+                return msg
 
     async def put_group(self, trajectories: list[Trajectory]) -> None:
         """Send one group whole; returns once it is sent, waiting for credits (backpressure) first.
@@ -243,6 +268,7 @@ class TrajectoryQueueClient:
     def _on_welcome(self, msg: Welcome) -> None:
         self.capacity, self._granted, self._sent, self._want = msg.capacity, msg.granted, 0, 0
         self._registered = True
+        self.trainer_state = {"policy_version": msg.policy_version, "admitted": msg.admitted}
         self._counts["queue/sessions"] += 1
         if self._counts["queue/sessions"] > 1 and self._groups:
             logger.info("new session with the trainer: re-sending %d unacknowledged groups", len(self._groups))

@@ -148,17 +148,23 @@ class Bye:
 # --------------------------------------------------------------------------- trainer -> rollout
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Welcome:
-    """Answer to HELLO: a new session starts with `granted` credits (cumulative from here)."""
+    """Answer to HELLO: a new session starts with `granted` credits (cumulative from here).
+
+    It also carries the trainer's accounting, so a side that (re)joins mid-run starts where the
+    run is: `policy_version` (the weights it must load before generating) and `admitted`
+    (trajectories the staleness bound already counts: trained batch slots + what is buffered)."""
 
     KIND: ClassVar[bytes] = WELCOME
     capacity: int
     granted: int = 0
     session: int = 0  # the HELLO's
     protocol: int = PROTOCOL_VERSION
+    policy_version: int = 0
+    admitted: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "granted": self.granted, "session": self.session,
-                "protocol": self.protocol}
+                "protocol": self.protocol, "policy_version": self.policy_version, "admitted": self.admitted}
 
     @classmethod
     def from_wire(cls, d: Any) -> "Welcome":
@@ -166,7 +172,9 @@ class Welcome:
         if capacity < 1:
             raise WireFormatError("WELCOME.capacity: must be >= 1, got 0")
         return cls(capacity=capacity, granted=_count(d, "granted", "WELCOME"),
-                   session=_count(d, "session", "WELCOME", 0), protocol=_get(d, "protocol", int, "WELCOME"))
+                   session=_count(d, "session", "WELCOME", 0), protocol=_get(d, "protocol", int, "WELCOME"),
+                   policy_version=_count(d, "policy_version", "WELCOME", 0),
+                   admitted=_count(d, "admitted", "WELCOME", 0))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

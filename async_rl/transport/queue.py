@@ -13,6 +13,9 @@ every trajectory until the trainer acknowledges it (CREDIT.acks) and re-sends wh
 unacknowledged when it starts a new session (the trainer restarted, or timed it out);
 the trainer drops ids it has already received and counts them (`queue/duplicates`).
 
+With `curve_keys_dir` the connection is encrypted and only producers with an authorised
+client key get past the handshake (`auth.py`); refused handshakes count in `queue/auth_refused`.
+
 Example (trainer side; the rollout side runs `TrajectoryQueueClient` from `client.py`):
 
     server = TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=64)
@@ -36,6 +39,7 @@ from typing import Any
 
 import zmq
 
+from async_rl.transport.auth import CurveServer
 from async_rl.transport.bulk import BulkLedger, BulkTicket
 from async_rl.transport.codec import encode
 from async_rl.transport.messages import (
@@ -115,12 +119,13 @@ class TrajectoryQueueServer:
     """
 
     def __init__(self, addr: str, capacity: int, *, heartbeat_s: float = 2.0, peer_timeout_s: float = 60.0,
-                 dedup_window: int = 1_000_000):
+                 dedup_window: int = 1_000_000, curve_keys_dir: str = ""):
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"transport.capacity: must be an integer >= 1, got {capacity!r}")
         _check_timing(heartbeat_s, peer_timeout_s)
         self.capacity, self.heartbeat_s, self.peer_timeout_s = capacity, heartbeat_s, peer_timeout_s
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._auth = CurveServer(curve_keys_dir) if curve_keys_dir else None  # CURVE + ZAP, its own context
+        self._sock = self._auth.socket(zmq.ROUTER) if self._auth else zmq.Context.instance().socket(zmq.ROUTER)
         for opt, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
                            (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
             self._sock.setsockopt(opt, value)
@@ -131,6 +136,8 @@ class TrajectoryQueueServer:
             self._sock.bind(bind)
         except zmq.ZMQError as exc:
             self._sock.close(0)
+            if self._auth:
+                self._auth.close()
             raise OSError(f"transport.addr: cannot bind the trajectory queue at {addr}: {exc}") from None
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # shared with the training loop, under _cond
@@ -140,7 +147,10 @@ class TrajectoryQueueServer:
         self._handed: set[str] = set()  # given out by get_groups(ack=False), not yet acknowledged
         self._counts = dict.fromkeys(("queue/received", "queue/groups", "queue/consumed", "queue/producers",
                                       "queue/credits_out", "queue/duplicates", "queue/malformed", "queue/overrun",
-                                      "queue/unknown_peer", "queue/lost_producers", "queue/send_failed"), 0)
+                                      "queue/unknown_peer", "queue/lost_producers", "queue/send_failed",
+                                      "queue/sessions"), 0)
+        self._trainer_state = (0, 0)  # (policy_version, trained batch slots): told to every producer that joins
+        self._counts["queue/auth_refused"] = 0  # handshakes refused by CURVE/ZAP (auth.py)
         self._error: BaseException | None = None
         # owned by the socket thread
         self._producers: dict[bytes, _Producer] = {}
@@ -237,6 +247,11 @@ class TrajectoryQueueServer:
         self._post("bulk", (seq, targets, Bulk(seq=seq, body=control, part_bytes=sizes, parts=tuple(parts))))
         return BulkTicket(self._bulk, seq, sum(sizes))
 
+    def set_trainer_state(self, policy_version: int, trained_slots: int) -> None:
+        """What a producer that joins from now on is told: the version of the current weights and the
+        trajectories the staleness bound already counts (trained batch slots; the buffer is added)."""
+        self._trainer_state = (int(policy_version), int(trained_slots))
+
     def stats(self) -> dict[str, int]:
         with self._cond:
             return {"queue/depth": self._buffered, "queue/unacked": len(self._handed), **self._counts,
@@ -297,16 +312,22 @@ class TrajectoryQueueServer:
                 self._cond.notify_all()
         finally:
             self._sock.close(0)
+            if self._auth:
+                self._auth.close()
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._auth:
+            poller.register(self._auth.monitor, zmq.POLLIN)
         next_hb = time.monotonic()
         while not self._closed.is_set():
             events = dict(poller.poll(max(0, min(100, int((next_hb - time.monotonic()) * 1000)))))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
+            if self._auth and self._auth.monitor in events:
+                self._count("queue/auth_refused", self._auth.drain_refusals())
             for _ in range(256):  # bounded, so acks and controls are not starved by a flood
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -341,7 +362,12 @@ class TrajectoryQueueServer:
             self._bulk.open(identity)
             self._set_producer_count()
             logger.info("producer %s connected", msg.producer_id)
-            self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session))
+            version, slots = self._trainer_state
+            with self._cond:
+                self._counts["queue/sessions"] += 1
+                admitted = slots + self._buffered + len(self._handed)
+            self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session,
+                                         policy_version=version, admitted=admitted))
             return
         if producer is None:  # we restarted or timed it out: it must say HELLO (and re-send) first
             if not isinstance(msg, Bye):

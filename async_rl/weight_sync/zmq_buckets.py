@@ -76,8 +76,9 @@ class ZmqWeightPublisher:
 
     def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
         """Stream `state_dict` as `version`; return the commit message (the caller broadcasts it)."""
-        if isinstance(version, int) and version <= self.last_version:
-            raise WeightVersionError(f"version: {version} is not newer than the last published "
+        # the same version again is a replay for a rollout side that joined; receivers that hold it skip it
+        if isinstance(version, int) and version < self.last_version:
+            raise WeightVersionError(f"version: {version} is older than the last published "
                                      f"({self.last_version})")
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         deadline = time.monotonic() + self.deadline_s
@@ -131,6 +132,7 @@ class ZmqWeightReceiver:
         self.stats: dict[str, float] = {}  # the last completed version's sync/recv_* timings
         self._stages: dict[int, StagedFile] = {}
         self._done: dict[int, Path] = {}
+        self._replayed: set[int] = set()  # versions sent again (for a joining side) that we already hold
         self._failed: dict[int, str] = {}
         self._lock = threading.Lock()
 
@@ -162,6 +164,9 @@ class ZmqWeightReceiver:
 
     def _manifest(self, msg: dict[str, Any]) -> None:
         layout = WeightLayout.from_wire(msg)
+        if layout.version == self.accepted and layout.version in self._done:
+            self._replayed.add(layout.version)  # sent again for a side that joined: we hold it already
+            return
         if layout.version <= self.accepted:
             raise WeightVersionError(f"weights manifest.version: v{layout.version} is not newer than "
                                      f"v{self.accepted}, already accepted (a version going backwards)")
@@ -183,6 +188,8 @@ class ZmqWeightReceiver:
         version = msg.get("version")
         stage = self._stages.get(version)
         if stage is None:
+            if version in self._replayed:
+                return None  # a chunk of a replayed version we already hold
             if version in self._failed:
                 return self._failed[version]  # already rejected; the rest of its chunks are ignored
             raise BucketError(f"weights_bucket.version: v{version!r} has no manifest (lost, or out of order)")

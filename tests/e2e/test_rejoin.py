@@ -1,0 +1,79 @@
+"""A rollout side killed with SIGKILL mid-run and started again rejoins at the trainer's version.
+
+The two-shell scenario of a user: `async-rl train` and `async-rl rollout` (weights over the
+queue), `kill -9` of the whole rollout side (controller and its generation server) after a
+few steps, then `async-rl rollout` again. The new side is told the trainer's version and
+accounting when it connects, receives the current weights before it generates, and the run
+finishes with every train step after the restart training on data: no version is spent on
+a batch that is dropped whole, and what the trainer trains after the restart was sampled by
+the current policy (staleness within the bound).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch.common import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _start(kind: str, *args: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", kind, *args], cwd=ROOT, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_rows(path: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_rows(path)) < n:
+        assert proc.poll() is None, f"trainer exited early ({proc.returncode})"
+        assert time.monotonic() < deadline, f"fewer than {n} train steps after {timeout}s"
+        time.sleep(0.2)
+
+
+def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_path):
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--config", DEBUG, f"transport.addr={addr}", "total_steps=14", "weight_sync.transport=zmq",
+              "log.progress=false", "transport.heartbeat_s=0.5", "transport.peer_timeout_s=3",
+              "max_staleness=1"]
+    train = _start("train", *common, f"run_dir={tmp_path / 't'}", log=tmp_path / "train.log")
+    first = second = None
+    try:
+        first = _start("rollout", *common, f"run_dir={tmp_path / 'r1'}", log=tmp_path / "r1.log")
+        _wait_rows(tmp_path / "t" / "metrics.jsonl", 5, train)
+        os.killpg(first.pid, signal.SIGKILL)  # the controller and its server, as a lost node
+        first.wait(10)
+        killed_at = len(_rows(tmp_path / "t" / "metrics.jsonl"))
+        time.sleep(1.0)
+        second = _start("rollout", *common, f"run_dir={tmp_path / 'r2'}", log=tmp_path / "r2.log")
+        assert train.wait(300) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        assert second.wait(60) == 0, (tmp_path / "r2.log").read_text()[-3000:]
+    finally:
+        for p in (train, first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    rows = _rows(tmp_path / "t" / "metrics.jsonl")
+    assert len(rows) == 14 and rows[-1]["policy_version"] == 14
+    after = rows[killed_at:]
+    # every step after the restart trained on data sampled within the staleness bound
+    assert all(r["train/num_trajectories"] > 0 for r in after), [r["train/num_trajectories"] for r in after]
+    assert all(r["train/staleness_max"] <= 1 for r in after)
+    assert rows[-1]["train/skipped_batches"] <= 1
+    # the new side was told where the run was and generated with the trainer's weights, not version 0
+    log2 = (tmp_path / "r2" / "logs" / "rollout.log").read_text()
+    assert "joining a run in progress at version" in log2, log2[-3000:]
+    loaded = [r["step"] for r in _rows(tmp_path / "r2" / "rollout_metrics.jsonl") if "sync/update_s" in r]
+    assert loaded and loaded[0] >= killed_at - 1, loaded
+    assert not (tmp_path / "r2" / "eval.jsonl").is_file() or all(
+        e["when"] != "before" for e in _rows(tmp_path / "r2" / "eval.jsonl"))
