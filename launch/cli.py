@@ -5,6 +5,7 @@
     async-rl rollout --config C [key=value ...]   the rollout side alone (connects to transport.addr)
     async-rl serve   --config C [key=value ...]   one generation server alone
     async-rl report  RUN_DIR [--out DIR]          PNG plots + one HTML page of a run (RUN_DIR/report)
+    async-rl keys    --out DIR                    CURVE key pairs for transport.curve_keys_dir
 
 Every failure the user can cause (missing config, unknown key, wrong type, unreachable
 address, a child process dying) ends as one `error: ...` line and exit code 2.
@@ -36,7 +37,20 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help=text, description=text)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's run_dir (holds metrics.jsonl)")
     p.add_argument("--out", "-o", default=None, help="where the report goes (default RUN_DIR/report)")
+    text = "CURVE key pairs (trainer and rollout side) for transport.curve_keys_dir"
+    p = sub.add_parser("keys", help=text, description=text)
+    p.add_argument("--out", "-o", required=True, help="a new directory for the keys (never overwritten)")
     return parser
+
+
+def _keys(out: str) -> int:
+    from async_rl.transport.auth import create_keys
+
+    for path in create_keys(out):
+        print(f"wrote {path}", flush=True)
+    print(f"trainer side needs server.key_secret and authorized_clients/, rollout side server.key and "
+          f"client.key_secret; run with transport.curve_keys_dir={out}", flush=True)
+    return 0
 
 
 def _report(run_dir: str, out: str | None) -> int:
@@ -99,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "report":
             return _report(args.run_dir, args.out)
+        if args.command == "keys":
+            return _keys(args.out)
         cfg = load_config(args.config, args.overrides)
         setup_logging(cfg.log.level, cfg.run_dir, "launcher", console_level="WARNING")
         return _dispatch(args.command, cfg)
