@@ -23,6 +23,9 @@ times it saw: every token of a request gets the version in use when it was submi
 request that lived through an update is counted as old as it can be (sound for the
 staleness bound, never younger than it is).
 
+With `api_key` every request carries `Authorization: Bearer <api_key>` (the server's
+`engine.api_key`; a refused one is a ValueError naming the Authorization header).
+
 One client serves many concurrent sessions (a pooled `httpx.AsyncClient`). Failures
 come back as: `ValueError` for a 4xx answer (carrying the server's message, which names
 the field), `ServerUnreachableError` when the server cannot be reached, `TimeoutError`
@@ -63,9 +66,9 @@ def _resumed(params: SamplingParams, done: int) -> SamplingParams:
 
 class HttpGenerationClient:
     """`GenerationClient` over HTTP. `timeout_s` bounds one call (a whole generation); `pause_mode`
-    is how `pause_generation` stops the server (see the module docstring)."""
+    is how `pause_generation` stops the server (see the module docstring); `api_key` is its bearer token."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0, pause_mode: str = "retract"):
+    def __init__(self, address: str, timeout_s: float = 600.0, pause_mode: str = "retract", api_key: str = ""):
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"generation server address must start with http:// or https://, got {address!r}")
         if pause_mode not in PAUSE_MODES:
@@ -83,7 +86,8 @@ class HttpGenerationClient:
         self._running.set()
         self._http = httpx.AsyncClient(
             base_url=self.address, timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), trust_env=False)
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256), trust_env=False,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     # ------------------------------------------------------------------ plumbing
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None,

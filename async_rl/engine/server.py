@@ -25,6 +25,9 @@ Answers follow SGLang's shapes (`sglang_api`): finish_reason objects, log-probs 
 and `num_interruptions`. Bad input is answered with 400 and
 `{"error": {"message": "<field>: <what is wrong>", ...}}`; the server keeps serving
 everyone else. A client that disconnects aborts its request.
+
+With `engine.api_key` set, every route but /health(_generate) and /get_model_info (/model_info)
+answers 401 without `Authorization: Bearer <token>` (`http_auth`: one dependency on the app).
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from async_rl.config import REDACTED, resolve_secret
 from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
 from async_rl.engine.sglang_api import finish_reason_json, logprob_entries, parse_version, version_spans
@@ -54,16 +58,18 @@ logger = logging.getLogger(__name__)
 class ApiError(Exception):
     """An answer other than 200: status code and a message that names the field."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
 
 
-def error_response(status: int, message: str) -> JSONResponse:
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error shape, used by every route (the `openai` client reads `error.message`)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}},
+                        headers=headers)
 
 
 def _location(loc: tuple) -> str:
@@ -96,7 +102,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, exc.headers)
 
     @app.exception_handler(EngineInputError)
     async def _engine_input(request: Request, exc: EngineInputError) -> JSONResponse:
@@ -258,13 +264,19 @@ def model_info(engine: AsyncEngine, model_name: str) -> dict[str, Any]:
             "eos_token_ids": sorted(engine.engine.eos_token_ids), "weight_version": engine.weight_version}
 
 
-def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None) -> FastAPI:
-    """The FastAPI app: native routes plus the OpenAI-compatible ones (these need `tokenizer`)."""
+def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app: native routes plus the OpenAI-compatible ones (these need `tokenizer`).
+    `api_key` (default: the engine's `engine.api_key`; "env:NAME" is read from the environment)
+    guards every route but the health and model-info probes; "" = open."""
     from async_rl.engine.generate_route import add_generate_route  # it imports this module's helpers
+    from async_rl.engine.http_auth import BearerGuard  # likewise
     from async_rl.engine.openai_api import add_openai_routes  # it imports this module's helpers
     from async_rl.engine.weight_routes import weight_router  # likewise
 
-    app = FastAPI(title="async_rl embedded engine")
+    token = resolve_secret(getattr(engine.engine.config, "api_key", "") if api_key is None else api_key,
+                           "engine.api_key")
+    guard = BearerGuard(token) if token else None
+    app = FastAPI(title="async_rl embedded engine", dependencies=[Depends(guard)] if guard else None)
     install_error_handlers(app)
     control = _Control(engine)
     add_generate_route(app, engine, tokenizer, control.retracted)
@@ -310,12 +322,14 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None) ->
     @app.get("/server_info")
     async def get_server_info():
         cfg = engine.engine.config
-        return {**model_info(engine, model_name), "engine_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-                "stats": engine.stats()}
+        shown = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+        if shown.get("api_key"):
+            shown["api_key"] = REDACTED
+        return {**model_info(engine, model_name), "engine_config": shown, "stats": engine.stats()}
 
     @app.get("/metrics")
     async def metrics():
-        return engine.stats()
+        return {**engine.stats(), **(guard.stats() if guard else {})}
 
     add_openai_routes(app, engine, tokenizer=tokenizer, model_name=model_name)
     app.include_router(weight_router(engine))  # SGLang's distributed weight-update routes
