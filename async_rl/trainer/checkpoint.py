@@ -3,6 +3,11 @@
     <root>/step_000010/model.safetensors   weights, tied tensors stored once
                       /optimizer.pt        torch.save of optimizer.state_dict() (local use)
                       /meta.json           {"step": 10, **extra}  e.g. extra={"policy_version": 10}
+                      /config.json, tokenizer files (with `hf_export`)
+
+With `hf_export` (see `hf_exporter`) the directory is also a plain Hugging Face model:
+`AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)` load it
+as it is (the weights carry the HF model's own names).
 
 A checkpoint is written into a temporary sibling directory and renamed into place, so
 a crash leaves either the old checkpoint or the new one, never half of one.
@@ -10,12 +15,13 @@ a crash leaves either the old checkpoint or the new one, never half of one.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,7 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module | Mapping[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | Mapping[str, Any] | None, step: int,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, hf_export: Callable[[Path], None] | None = None) -> Path:
     """Write a checkpoint directory at `path` (replacing one already there); return its path.
 
     `model` and `optimizer` may also be state dicts already gathered (a sharded trainer's
@@ -59,6 +65,8 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module | Mapping[str, torc
     if optimizer is not None:
         torch.save(optimizer if isinstance(optimizer, Mapping) else optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, **extra}, indent=1))
+    if hf_export is not None:
+        hf_export(tmp)
     old = out.with_name(f"{out.name}.old{os.getpid()}")
     if out.exists():
         out.rename(old)
@@ -91,3 +99,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     found = [(int(m.group(1)), d) for d in root.iterdir()
              if (m := _NAME.match(d.name)) and (d / "meta.json").is_file()]
     return max(found)[1] if found else None
+
+
+def hf_exporter(model_config: Any, tokenizer: Any) -> Callable[[Path], None]:
+    """Writes what makes a checkpoint directory a Hugging Face model: the model config (fp32, the
+    dtype of the saved weights) and the tokenizer."""
+    def export(directory: Path) -> None:
+        config = copy.deepcopy(model_config)
+        config.torch_dtype = "float32"
+        config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return export

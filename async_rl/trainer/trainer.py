@@ -66,6 +66,7 @@ class PPOTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
+        self.hf_export = None  # set by a backend: makes each checkpoint a Hugging Face model directory
 
     # ------------------------------------------------------------------ public
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:

@@ -46,6 +46,8 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta):
     walls = [e["timing/train_wall_s"] for e in periodic]
     assert walls == sorted(walls) and walls[0] > 0
     assert (tmp_path / "config.yaml").is_file()
+    if mode == "sync":  # every checkpoint is also a plain Hugging Face model directory
+        _loads_as_hf_model(tmp_path / "checkpoints" / f"step_{steps:06d}")
     assert "greedy accuracy" in res.stdout
 
 
@@ -66,3 +68,16 @@ def test_train_and_rollout_started_separately(tmp_path):
     # the rollout side loaded weights it received over the queue into its own run directory
     assert list((tmp_path / "r" / "weights").glob("weights_v*.safetensors"))
     assert (tmp_path / "r" / "eval.jsonl").is_file()
+
+
+def _loads_as_hf_model(ckpt: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt))
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    saved = load_file(str(ckpt / "model.safetensors"))
+    state = model.state_dict()
+    assert saved and all(torch.equal(state[k], v) for k, v in saved.items())
+    assert tok.decode(tok.encode("1+2=")) == "1+2="

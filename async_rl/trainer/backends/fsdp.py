@@ -34,11 +34,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from async_rl.config import Config, TrainerConfig
-from async_rl.models import load_model
+from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict
 from async_rl.trainer.batching import Batch, token_logprobs
-from async_rl.trainer.checkpoint import save_checkpoint
+from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer, _StatsAccumulator
 from async_rl.utils.hardware import resolve_device
 
@@ -76,7 +76,7 @@ class FSDPTrainer(PPOTrainer):
         weights = gather_state_dict(self.model.lm)
         optim = gather_optimizer_state(self.optimizer)
         if self.rank == 0:
-            save_checkpoint(path, weights, optim, step, extra)
+            save_checkpoint(path, weights, optim, step, extra, hf_export=self.hf_export)
         dist.barrier()
 
     def close(self) -> None:
@@ -198,4 +198,7 @@ def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
             module.set_force_sum_reduction_for_comms(True)
     logger.info("fsdp rank %d/%d on %s: %d FSDP units", rank.rank, rank.world_size, device,
                 sum(isinstance(m, FSDPModule) for m in root.modules()))
-    return FSDPTrainer(root, cfg.trainer, max_staleness=train_staleness(cfg), seed=cfg.seed)
+    trainer = FSDPTrainer(root, cfg.trainer, max_staleness=train_staleness(cfg), seed=cfg.seed)
+    if rank.rank == 0:  # the rank that writes checkpoints also makes them Hugging Face model directories
+        trainer.hf_export = hf_exporter(lm.config, load_tokenizer(cfg.model))
+    return trainer

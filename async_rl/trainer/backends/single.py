@@ -6,9 +6,9 @@ import dataclasses
 from typing import Any
 
 from async_rl.config import Config, TrainerConfig
-from async_rl.models import load_model
+from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
-from async_rl.trainer.checkpoint import save_checkpoint
+from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.utils.hardware import resolve_device
 
@@ -17,7 +17,7 @@ class SingleTrainer(PPOTrainer):
     """PPOTrainer with the backend interface's checkpoint and close."""
 
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
-        save_checkpoint(path, self.model, self.optimizer, step, extra)
+        save_checkpoint(path, self.model, self.optimizer, step, extra, hf_export=self.hf_export)
 
     def close(self) -> None:
         """Nothing to release: one process, no process group."""
@@ -35,5 +35,7 @@ def build(cfg: Config, rank: RankInfo) -> SingleTrainer:
     device = resolve_device(cfg.trainer.device, "trainer.device")
     # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
     model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
-    return SingleTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature,
-                         max_staleness=train_staleness(cfg), seed=cfg.seed)
+    trainer = SingleTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature,
+                            max_staleness=train_staleness(cfg), seed=cfg.seed)
+    trainer.hf_export = hf_exporter(model.config, load_tokenizer(cfg.model))
+    return trainer
