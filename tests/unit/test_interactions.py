@@ -82,6 +82,15 @@ def test_echo_user_wants_an_exact_repeat():
     assert [t.score for t in turns] == [0.0, 1.0] and score == 0.5
 
 
+def test_echo_user_prefix_match_and_format_score():
+    turns, score = run(_episode(EchoUser(match="prefix"), {"text": "3"}, ["3 is it"]))
+    assert turns[0].done and score == 1.0
+    user = EchoUser(max_turns=2, format_score=0.1)
+    assert run(_episode(user, {"text": "3"}, ["4", "5"]))[1] == 0.1  # answered, never right
+    assert run(_episode(user, {"text": "3"}, []))[1] == 0.0  # never judged (cut at its token limit)
+    assert run(_episode(user, {"text": "3"}, ["4", "3"]))[1] == 0.5
+
+
 def test_missing_kwargs_and_bad_config_are_named():
     with pytest.raises(ValueError, match="interaction_kwargs needs 'answer'"):
         run(ArithUser(name="tutor").start_interaction("x", question="1+1"))
@@ -95,6 +104,10 @@ def test_missing_kwargs_and_bad_config_are_named():
         ArithUser(feedback="shout")
     with pytest.raises(ValueError, match="config.retry must be a string whose only field is"):
         EchoUser(retry="say {digit}")
+    with pytest.raises(ValueError, match="config.match must be one of exact|prefix"):
+        EchoUser(match="fuzzy")
+    with pytest.raises(ValueError, match="config.format_score must be in"):
+        EchoUser(format_score=-1)
 
 
 # --------------------------------------------------------------------------------- YAML

@@ -4,9 +4,15 @@ Both judge the model's latest turn against what the sample's `interaction_kwargs
 right, reply when it is wrong, and keep per-episode state in a dict keyed by the instance
 id (made in `start_interaction`, dropped in `finalize_interaction`). The episode's score is
 1 when the model got it right at its first answer, discounted by `discount` for every wrong
-answer before that, and 0 when it never got it right:
+answer before that; when it never got it right:
 
-    score = discount ** wrong_answers   if solved else 0.0
+    score = discount ** wrong_answers   if solved
+            format_score                if it answered (ended a turn) but never right (default 0)
+            0                           if no turn of it was ever judged
+
+A turn the agent loop cuts at its token limit never reaches the user, so a small
+`format_score` makes answering wrong better than not answering at all; without it, a policy
+can escape judgement by never ending its turns (the interaction_debug config sets 0.1).
 
 Turn scores (1 for the answer that was right, 0 for a wrong one) go with every reply, so a
 turn-level advantage estimator (`trainer.advantage: grpo_turn`) can credit single turns.
@@ -15,7 +21,7 @@ turn-level advantage estimator (`trainer.advantage: grpo_turn`) can credit singl
       - name: arith_user
         config: {max_turns: 3, feedback: hint, discount: 0.5}
       - name: echo_user
-        config: {max_turns: 3}
+        config: {max_turns: 3, match: exact, format_score: 0.1}
 """
 
 from __future__ import annotations
@@ -42,15 +48,19 @@ def last_assistant_text(messages: list[dict[str, Any]]) -> str:
 class _JudgingUser(BaseInteraction):
     """Shared bookkeeping: per-instance state, a turn budget, and the discounted episode score."""
 
-    def __init__(self, name: str = "", *, max_turns: int = 3, discount: float = 0.5, **config: Any):
-        super().__init__(name, max_turns=max_turns, discount=discount, **config)
+    def __init__(self, name: str = "", *, max_turns: int = 3, discount: float = 0.5, format_score: float = 0.0,
+                 **config: Any):
+        super().__init__(name, max_turns=max_turns, discount=discount, format_score=format_score, **config)
         label = name or type(self).__name__
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"interaction {label}: config.max_turns must be an integer >= 1, got {max_turns!r}")
         if not isinstance(discount, (int, float)) or not 0.0 <= discount <= 1.0:
             raise ValueError(f"interaction {label}: config.discount must be in [0, 1], got {discount!r}")
+        if not isinstance(format_score, (int, float)) or not 0.0 <= format_score <= 1.0:
+            raise ValueError(f"interaction {label}: config.format_score must be in [0, 1], got {format_score!r}")
         self.max_turns = max_turns
         self.discount = float(discount)
+        self.format_score = float(format_score)
         self._state: dict[str, dict[str, Any]] = {}
 
     def _get(self, instance_id: str) -> dict[str, Any]:
@@ -77,7 +87,9 @@ class _JudgingUser(BaseInteraction):
 
     async def calculate_score(self, instance_id: str) -> float:
         st = self._get(instance_id)
-        return self.discount ** st["wrong"] if st["solved"] else 0.0
+        if st["solved"]:
+            return self.discount ** st["wrong"]
+        return self.format_score if st["turns"] else 0.0
 
     async def finalize_interaction(self, instance_id: str) -> None:
         self._state.pop(instance_id, None)
@@ -111,8 +123,9 @@ class ArithUser(_JudgingUser):
     """A user who asked an arithmetic question: the last number of the model's turn must equal
     `interaction_kwargs["answer"]`; a wrong answer gets `feedback` (retry | hint) until `max_turns`."""
 
-    def __init__(self, name: str = "", *, feedback: str = "retry", max_turns: int = 3, discount: float = 0.5):
-        super().__init__(name, max_turns=max_turns, discount=discount, feedback=feedback)
+    def __init__(self, name: str = "", *, feedback: str = "retry", max_turns: int = 3, discount: float = 0.5,
+                 format_score: float = 0.0):
+        super().__init__(name, max_turns=max_turns, discount=discount, format_score=format_score, feedback=feedback)
         if feedback not in FEEDBACK:
             raise ValueError(f"interaction {name or 'arith_user'}: config.feedback must be one of "
                              f"{'|'.join(FEEDBACK)}, got {feedback!r}")
@@ -135,19 +148,33 @@ class ArithUser(_JudgingUser):
         return self._judge(instance_id, correct, self.feedback(got, answer))
 
 
+# How echo_user compares the model's turn (stripped) with the text it asked for.
+MATCHES: dict[str, Callable[[str, str], bool]] = {
+    "exact": lambda said, text: said == text,
+    "prefix": lambda said, text: said.startswith(text),  # the turn begins with the text
+}
+
+
 @register_interaction("echo_user")
 class EchoUser(_JudgingUser):
-    """A user who says something and wants it repeated exactly: the model's turn (stripped) must
-    equal `interaction_kwargs["text"]`; a wrong turn gets `retry` ({text} filled in)."""
+    """A user who says something and wants it repeated: the model's turn (stripped) must equal
+    (`match: exact`) or begin with (`match: prefix`) `interaction_kwargs["text"]`; a wrong turn gets
+    `retry` ({text} filled in)."""
 
-    def __init__(self, name: str = "", *, retry: str = "no, say {text}", max_turns: int = 3, discount: float = 0.5):
-        super().__init__(name, max_turns=max_turns, discount=discount, retry=retry)
+    def __init__(self, name: str = "", *, retry: str = "no, say {text}", match: str = "exact", max_turns: int = 3,
+                 discount: float = 0.5, format_score: float = 0.0):
+        super().__init__(name, max_turns=max_turns, discount=discount, format_score=format_score, retry=retry,
+                         match=match)
+        label = name or "echo_user"
         try:
             retry.format(text="0")
         except (AttributeError, KeyError, IndexError, ValueError):
-            raise ValueError(f"interaction {name or 'echo_user'}: config.retry must be a string whose only "
-                             f"field is {{text}}, got {retry!r}") from None
+            raise ValueError(f"interaction {label}: config.retry must be a string whose only field is {{text}}, "
+                             f"got {retry!r}") from None
+        if match not in MATCHES:
+            raise ValueError(f"interaction {label}: config.match must be one of {'|'.join(MATCHES)}, got {match!r}")
         self.retry = retry
+        self.match = MATCHES[match]
 
     async def start_interaction(self, instance_id: str, **kwargs: Any) -> str:
         return self._start(instance_id, self._target(kwargs, "text"))
@@ -155,5 +182,5 @@ class EchoUser(_JudgingUser):
     async def generate_response(self, instance_id: str, messages: list[dict[str, Any]],
                                 **kwargs: Any) -> InteractionTurn:
         text = self._get(instance_id)["target"]
-        correct = last_assistant_text(messages).strip() == text
+        correct = self.match(last_assistant_text(messages).strip(), text)
         return self._judge(instance_id, correct, self.retry.format(text=text))
