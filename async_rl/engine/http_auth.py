@@ -5,8 +5,9 @@ With a token set, every route answers 401 unless the request carries `Authorizat
 /health, /health_generate, /get_model_info and /model_info. So /generate and the OpenAI
 routes need it too (as SGLang's `--api-key` has it), and so do every route that changes the
 server's state (pause, continue, weight updates from disk or a group, abort, flush cache,
-weight-update groups) and /metrics. Tokens are compared in constant time. A refusal is
-logged once per client address and counted (`engine/auth_refused` in /metrics).
+weight-update groups) and /metrics; FastAPI's /docs and /openapi.json are turned off.
+Tokens are compared in constant time. A refusal is logged once per client address and
+counted (`engine/auth_refused` in /metrics).
 
     guard = BearerGuard("s3cret")
     app = FastAPI(dependencies=[Depends(guard)])

@@ -276,7 +276,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     token = resolve_secret(getattr(engine.engine.config, "api_key", "") if api_key is None else api_key,
                            "engine.api_key")
     guard = BearerGuard(token) if token else None
-    app = FastAPI(title="async_rl embedded engine", dependencies=[Depends(guard)] if guard else None)
+    closed = {"dependencies": [Depends(guard)], "openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="async_rl embedded engine", **(closed if guard else {}))  # guarded: no open schema pages
     install_error_handlers(app)
     control = _Control(engine)
     add_generate_route(app, engine, tokenizer, control.retracted)

@@ -137,22 +137,27 @@ class TrajectoryQueueClient:
         self._tasks = [asyncio.create_task(coro) for coro in (self._sender(), self._receiver(), self._heartbeats())]
 
     async def _welcome(self, monitor: zmq.asyncio.Socket, timeout_s: float) -> Welcome:
-        await self._hello()
+        # HELLO goes out beside the wait: after a refused handshake the socket has no peer, and a send waits forever
+        hello = asyncio.ensure_future(self._hello())
+        hello.add_done_callback(lambda f: f.cancelled() or f.exception())
         poller = zmq.asyncio.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            events = dict(await poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
-            if monitor in events:
-                raise client_handshake_error(await monitor.recv_multipart(), self.addr)
-            if self._sock not in events:
-                raise PeerUnreachableError(f"no trainer answered at {self.addr} within {timeout_s:g}s "
-                                           "(is the trainer running and bound to this address?)")
-            msg = self._parse(await self._sock.recv_multipart(copy=False))
-            if isinstance(msg, Welcome) and msg.session == self._session:
-                return msg
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                events = dict(await poller.poll(max(1, int(left * 1000)))) if left > 0 else {}
+                if monitor in events:
+                    raise client_handshake_error(await monitor.recv_multipart(), self.addr)
+                if self._sock not in events:
+                    raise PeerUnreachableError(f"no trainer answered at {self.addr} within {timeout_s:g}s "
+                                               "(is the trainer running and bound to this address?)")
+                msg = self._parse(await self._sock.recv_multipart(copy=False))
+                if isinstance(msg, Welcome) and msg.session == self._session:
+                    return msg
+        finally:
+            hello.cancel()  # nothing if it was sent
 
     async def put_group(self, trajectories: list[Trajectory]) -> None:
         """Send one group whole; returns once it is sent, waiting for credits (backpressure) first.
