@@ -122,6 +122,7 @@ class TrainerConfig:
     advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores)
     turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens
     checkpoint_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
+    resume: bool = False  # start from the newest checkpoint under run_dir/checkpoints (`--resume RUN_DIR`)
     compute_dtype: str = "auto"  # auto | float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
 
@@ -164,6 +165,17 @@ class CoresConfig:
 
 
 @dataclass
+class SuperviseConfig:
+    """How `async-rl run` (launcher=local) restarts what crashes and how it stops on SIGTERM (launch/local.py)."""
+
+    # restarts per component (the trainer, the rollout process, each generation server) after it dies with
+    # a non-zero exit code or a signal; the trainer restarts with trainer.resume=true. 0 = a crash ends the run
+    max_restarts: int = 3
+    restart_backoff_s: float = 2.0  # wait before a component's first restart, doubled for each further one (<= 60s)
+    drain_timeout_s: float = 300.0  # after SIGTERM, how long the trainer may take to finish its step and checkpoint
+
+
+@dataclass
 class LogConfig:
     level: str = "INFO"  # logging level
     progress: bool = True  # progress bar on the console
@@ -189,6 +201,7 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     cores: CoresConfig = field(default_factory=CoresConfig)
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -269,6 +282,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.sticky_overload_margin: must be >= 0, got {cfg.rollout.sticky_overload_margin}")
     if cfg.agent.max_user_turns < 0 or cfg.rollout.trace_every < 0:
         raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
+    for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0)):
+        if _get(cfg, key) < low:
+            raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")
+    if cfg.supervise.drain_timeout_s <= 0:
+        raise ConfigError(f"supervise.drain_timeout_s: must be > 0, got {cfg.supervise.drain_timeout_s}")
     if cfg.max_staleness < 0:
         raise ConfigError(f"max_staleness: must be >= 0, got {cfg.max_staleness}")
     if cfg.trainer.batch_size % cfg.rollout.group_size:

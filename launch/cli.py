@@ -31,7 +31,11 @@ def _parser() -> argparse.ArgumentParser:
                        ("train", "the trainer side alone"), ("rollout", "the rollout side alone"),
                        ("serve", "one generation server alone")]:
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--config", "-c", required=True, help="YAML config file (see configs/)")
+        p.add_argument("--config", "-c", required=name not in ("run", "train"),
+                       help="YAML config file (see configs/); with --resume, the run's own config.yaml")
+        if name in ("run", "train"):
+            p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                           help="continue the run in RUN_DIR from its newest checkpoint")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.lr=1e-5")
     text = "PNG plots and one HTML page from a run directory's metrics"
     p = sub.add_parser("report", help=text, description=text)
@@ -61,6 +65,18 @@ def _report(run_dir: str, out: str | None) -> int:
         print(f"not drawn: {line}", flush=True)
     print(f"report: {len(report.images)} plots and {report.index}", flush=True)
     return 0
+
+
+def _load(args: argparse.Namespace) -> Config:
+    resume = getattr(args, "resume", None)
+    if resume is None:
+        if args.config is None:
+            raise ValueError("--config: required (or --resume RUN_DIR to continue a run)")
+        return load_config(args.config, args.overrides)
+    saved = Path(resume) / "config.yaml"
+    if not saved.is_file():
+        raise ValueError(f"--resume: {resume} is not a run directory (no config.yaml)")
+    return load_config(args.config or saved, [*args.overrides, f"run_dir={resume}", "trainer.resume=true"])
 
 
 def _check_standalone(cfg: Config, command: str) -> None:
@@ -115,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args.run_dir, args.out)
         if args.command == "keys":
             return _keys(args.out)
-        cfg = load_config(args.config, args.overrides)
+        cfg = _load(args)
         setup_logging(cfg.log.level, cfg.run_dir, "launcher", console_level="WARNING")
         return _dispatch(args.command, cfg)
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ will host the rendezvous store, and `local_rank` the device index on that rank's
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from async_rl.config import Config
+from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
@@ -130,11 +132,14 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     logger.info("trainer queue listening on %s", queue.address)
     publisher = build_publisher(cfg, queue.broadcast)  # weight_sync.transport: disk | zmq | dist
     (run_dir / "trainer_address").write_text(queue.address)
-    bar = tqdm(total=cfg.total_steps, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress, dynamic_ncols=True)
+    start = _resume(cfg, trainer, run_dir) if cfg.trainer.resume else 0
+    queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
+    bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,
+               dynamic_ncols=True)
     rejoin = _Rejoin(queue, publisher, trainer)
     skipped = 0
     try:
-        step = 0
+        step = start
         while step < cfg.total_steps:
             t0 = time.perf_counter()
             if cores is not None:
@@ -164,11 +169,9 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             bar.update(1)
             every = cfg.trainer.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < cfg.total_steps:
-                trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{step + 1:06d}"), step + 1,
-                                        {"policy_version": trainer.policy_version})
+                _checkpoint(trainer, run_dir, step + 1, cfg)
             step += 1
-        trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{cfg.total_steps:06d}"), cfg.total_steps,
-                                {"policy_version": trainer.policy_version})
+        _checkpoint(trainer, run_dir, cfg.total_steps, cfg)
         queue.broadcast({"kind": "stop", "final_version": trainer.policy_version})
         _wait_producers_gone(queue, timeout=cfg.rollout.connect_timeout_s + 120)
     finally:
@@ -177,6 +180,31 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
         if traj_log is not None:
             traj_log.close()
         queue.close()
+
+
+def _checkpoint(trainer, run_dir: Path, step: int, cfg: Config) -> None:
+    trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{step:06d}"), step,
+                            {"policy_version": trainer.policy_version,
+                             "trained_slots": trainer.policy_version * cfg.trainer.batch_size,
+                             "rng": trainer.rng_state()})
+
+
+def _resume(cfg: Config, trainer, run_dir: Path) -> int:
+    """Restore the newest checkpoint (weights, optimizer, version, RNG); return the step to continue at.
+    Metrics rows of steps after it (a run that went on past its last checkpoint) are dropped: those
+    steps are trained again."""
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        logger.warning("trainer.resume: no checkpoint under %s: starting from step 0", run_dir / "checkpoints")
+        return 0
+    meta = trainer.load_checkpoint(str(ckpt))
+    step = int(meta["step"])
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in keep))
+    logger.info("resumed from %s: step %d, policy version %d", ckpt, step, trainer.policy_version)
+    return step
 
 
 class _Rejoin:

@@ -95,6 +95,10 @@ class Leader:
         self._announce("state_dict")
         return self.trainer.state_dict()
 
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        raise NotImplementedError("trainer.resume: a trainer of several ranks cannot resume yet; "
+                                  "resume with trainer.world_size=1")
+
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
         self._announce("save_checkpoint", path=path, step=step, extra=extra)
         self.trainer.save_checkpoint(path, step, extra)

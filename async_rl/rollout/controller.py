@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -65,6 +66,7 @@ class RolloutController:
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
         self._seed = cfg.seed
+        self._skip_samples = 0  # samples of the stream a run in progress has already used (see join)
         self.tracer = TraceWriter(Path(cfg.run_dir) / "traces.jsonl", cfg.rollout.trace_every) \
             if cfg.rollout.trace_every > 0 else None
         self.agent_context = build_agent_context(cfg.agent, trace=self.tracer)
@@ -125,6 +127,8 @@ class RolloutController:
         if version == 0 and admitted == 0:
             return
         self.gate.join(admitted)
+        # the data stream goes on where the run is: one sample per group already counted
+        self._skip_samples = admitted // self.cfg.rollout.group_size
         logger.info("joining a run in progress at version %d (%d trajectories already counted): "
                     "generating once its weights are loaded", version, admitted)
 
@@ -189,7 +193,7 @@ class RolloutController:
             self.periodic_eval.started = time.perf_counter()  # the training clock starts with generation
         if self.metrics is not None:  # when generation began: whole-run throughput is measured from here
             self.metrics.log({"rollout/generation_started": 1.0}, step=0)
-        samples = self.task.train_samples(seed)
+        samples = itertools.islice(self.task.train_samples(seed), self._skip_samples, None)
         if self._own_pool:
             self.pool.start()
         admit = asyncio.create_task(self._admit_loop(samples))

@@ -92,6 +92,13 @@ class PPOTrainer:
         stats["timing/train_s"] = time.perf_counter() - t0
         return stats
 
+    def rng_state(self) -> dict[str, Any]:
+        """What a resumed run needs to draw what the uninterrupted one would (JSON-able)."""
+        return {"minibatch": self._rng.bit_generator.state}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        self._rng.bit_generator.state = state["minibatch"]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A detached CPU copy of the weights, named as model.state_dict().
 

@@ -79,6 +79,10 @@ class FSDPTrainer(PPOTrainer):
             save_checkpoint(path, weights, optim, step, extra, hf_export=self.hf_export)
         dist.barrier()
 
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        raise NotImplementedError("trainer.resume: the fsdp backend cannot resume yet (load the full weights "
+                                  "into every rank's shard); resume with trainer.backend=single")
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -8,7 +8,7 @@ from typing import Any
 from async_rl.config import Config, TrainerConfig
 from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
-from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
+from async_rl.trainer.checkpoint import hf_exporter, load_checkpoint, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.utils.hardware import resolve_device
 
@@ -18,6 +18,14 @@ class SingleTrainer(PPOTrainer):
 
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
         save_checkpoint(path, self.model, self.optimizer, step, extra, hf_export=self.hf_export)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Weights, optimizer state, version and RNG of a checkpoint this backend wrote; returns its meta."""
+        meta = load_checkpoint(path, self.model, self.optimizer)
+        self.policy_version = int(meta["policy_version"])
+        if "rng" in meta:
+            self.set_rng_state(meta["rng"])
+        return meta
 
     def close(self) -> None:
         """Nothing to release: one process, no process group."""
