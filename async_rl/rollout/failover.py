@@ -12,8 +12,12 @@ concatenated, so every token keeps the log-prob and policy version it was sample
 the continuation carries the versions of the server that finished it. `num_interruptions`
 adds up over the pieces.
 
-`sticky=True` keeps one agent loop's turns on one server while it stays in rotation (its
-prefix cache stays useful); with `sticky=False` every request goes to the least-loaded server.
+`sticky=True` makes the client one *session* (build one client per episode): its first
+request goes to the least-loaded server and every later one to that same server, whose
+prefix cache holds the conversation so far. The session moves, and the next request is sent
+whole to rebuild the prefix elsewhere, only when its server leaves rotation or has more than
+`overload_margin` requests in flight beyond the least-loaded one (None: never for load);
+see `server_pool.py`. With `sticky=False` every request goes to the least-loaded server.
 
 Limits: a stop string that straddles the place where a request moved is not seen; a
 request that loses its server after its last token but before the server's final chunk
@@ -25,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import weakref
 from typing import Any
 
 # the client's own rule for continuing a request (fresh seed, remaining lengths), so both resume alike
 from async_rl.engine.client import ServerUnreachableError, _resumed
 from async_rl.engine.sglang_api import joined_output
-from async_rl.rollout.server_pool import Server, ServerPool
+from async_rl.rollout.server_pool import Server, ServerPool, Session
 from async_rl.types import GenerationOutput, SamplingParams, new_id
 
 logger = logging.getLogger(__name__)
@@ -50,13 +55,18 @@ class PooledGenerationClient:
     """`GenerationClient` that places each request on the pool and moves it when its server is lost."""
 
     def __init__(self, pool: ServerPool, *, sticky: bool = False, acquire_timeout_s: float = 60.0,
-                 max_moves: int = 8):
+                 max_moves: int = 8, overload_margin: int | None = None):
+        if overload_margin is not None and overload_margin < 0:
+            raise ValueError(f"rollout.sticky_overload_margin: must be >= 0, got {overload_margin}")
         self.pool = pool
         self.sticky = sticky
         self.acquire_timeout_s = acquire_timeout_s
         self.max_moves = max_moves
+        self.overload_margin = overload_margin
         self.address = "pool(" + ",".join(s.address for s in pool.servers) + ")"
-        self._last: Server | None = None
+        self.session = Session() if sticky else None
+        if self.session is not None:  # an episode dropped without close() still frees its place
+            weakref.finalize(self, pool.end_session, self.session)
         self._running: dict[str, tuple[Server, str, int, _Piece]] = {}  # rid -> (server, piece id, carried, piece)
         self._aborted: set[str] = set()
         self._aborts: set[asyncio.Future] = set()  # fire-and-forget aborts still on their way
@@ -73,8 +83,8 @@ class PooledGenerationClient:
                 if done >= sampling_params.max_new_tokens:
                     return _joined(rid, len(prompt), pieces, "length")
                 params = sampling_params if not move else _resumed(sampling_params, done)
-                server = await self.pool.acquire(self._last if self.sticky else None, self.acquire_timeout_s)
-                self._last = server
+                server = await self.pool.acquire(timeout_s=self.acquire_timeout_s, session=self.session,
+                                                 overload_margin=self.overload_margin)
                 piece_id = rid if not move else f"{rid}-m{move}"
                 piece = _Piece()
                 self._running[rid] = (server, piece_id, done, piece)
@@ -178,7 +188,9 @@ class PooledGenerationClient:
             self.pool.release(server)
 
     async def close(self) -> None:
-        """The pool owns the servers' clients; nothing to close here."""
+        """Ends the session (the pool owns the servers' clients: they stay open)."""
+        if self.session is not None:
+            self.pool.end_session(self.session)
 
 
 def _ids(pieces: list[GenerationOutput]) -> list[int]:

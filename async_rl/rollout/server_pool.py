@@ -5,6 +5,8 @@
     pool.start()                                   # periodic health checks
     server = await pool.acquire(timeout_s=60)      # the least-loaded server in rotation
     ...; pool.release(server)
+    session = Session()                            # one episode's turns (see PooledGenerationClient)
+    server = await pool.acquire(session=session, overload_margin=8)  # its server while that stays fit
     pool.fence(server, "missed the deadline of weight update v3")
     pool.rejoin(server, version=3)                 # back once it has loaded the current version
     pool.stats()                                   # pool/* metrics, per server too
@@ -18,6 +20,17 @@ it and continue on another server. An unhealthy server that answers again rejoin
 itself if it still holds the current weights; a fenced one rejoins only once it has loaded
 the current version (at the next weight update, or when a late load turns out to have
 finished: the health check asks it for its `weight_version`).
+
+Placement. A request without a session goes to the server in rotation with the fewest
+requests in flight; among equals, to the one holding the fewest sessions, and among those
+round-robin, so a burst of new episodes spreads evenly. A *session* (one multi-turn episode)
+is bound to the server its first request went to, and every later request of it goes there,
+where the engine's prefix cache still holds the conversation so far. It moves only when its
+own server is unfit: out of rotation, or overloaded (more than `overload_margin` requests in
+flight beyond the least-loaded server in rotation; no margin given = never for load). Then its next
+request is placed like a new one and sent whole, so the new server rebuilds the prefix.
+Nothing else ever moves a session: a server that rejoins or idles does not pull sessions
+back, and sessions on fit servers stay put. Moves are counted (`rollout/session_moves`).
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ class Server:
     index: int
     client: GenerationClient
     in_flight: int = 0  # requests running on it now
+    sessions: int = 0  # sticky sessions bound to it now
     requests: int = 0  # requests placed on it so far
     failures: int = 0  # times it left rotation
     healthy: bool = True
@@ -64,6 +78,13 @@ class Server:
         return f"{self.address}: {'in rotation' if self.in_rotation else self.reason}"
 
 
+@dataclass(eq=False)
+class Session:
+    """One sticky session (a multi-turn episode): the server that holds its prefix, once placed."""
+
+    server: Server | None = None
+
+
 class ServerPool:
     """Generation servers of one rollout side, balanced by requests in flight."""
 
@@ -76,7 +97,9 @@ class ServerPool:
         self.health_timeout_s = health_timeout_s
         self.version = 0  # the newest weight version loaded anywhere
         self.counts = {"pool/reissued": 0, "pool/reissued_tokens": 0, "pool/fenced_total": 0,
-                       "pool/unhealthy_total": 0, "pool/rejoined_total": 0}
+                       "pool/unhealthy_total": 0, "pool/rejoined_total": 0, "rollout/session_moves": 0,
+                       "rollout/session_moves_gone": 0, "rollout/session_moves_overload": 0}
+        self._cursor = -1  # index of the last server a request was placed on (round-robin among equals)
         self._changed: asyncio.Condition | None = None
         self._health: asyncio.Task | None = None
 
@@ -98,17 +121,42 @@ class ServerPool:
             self._cond().notify_all()
 
     # ------------------------------------------------------------------ placement
-    def _pick(self, prefer: Server | None) -> Server | None:
-        if prefer is not None and prefer.in_rotation:
-            return prefer
+    def _least_loaded(self) -> Server | None:
         live = [s for s in self.servers if s.in_rotation]
-        return min(live, key=lambda s: (s.in_flight, s.requests, s.index)) if live else None
+        if not live:
+            return None
+        n = len(self.servers)
+        best = min(live, key=lambda s: (s.in_flight, s.sessions, (s.index - self._cursor - 1) % n))
+        self._cursor = best.index
+        return best
 
-    async def acquire(self, prefer: Server | None = None, timeout_s: float = 60.0) -> Server:
-        """The preferred server if in rotation, else the least-loaded one; waits up to `timeout_s` for one."""
+    def _unfit(self, server: Server, overload_margin: int | None) -> str | None:
+        """Why a session must leave `server` now (None: it stays)."""
+        if not server.in_rotation:
+            return "gone"
+        if overload_margin is not None:
+            least = min(s.in_flight for s in self.servers if s.in_rotation)
+            if server.in_flight > least + overload_margin:
+                return "overload"
+        return None
+
+    def _pick(self, prefer: Server | None, overload_margin: int | None) -> Server | None:
+        if prefer is not None and self._unfit(prefer, overload_margin) is None:
+            return prefer
+        return self._least_loaded()
+
+    async def acquire(self, prefer: Server | None = None, timeout_s: float = 60.0, *,
+                      session: Session | None = None, overload_margin: int | None = None) -> Server:
+        """A server for one request; waits up to `timeout_s` for one in rotation.
+
+        With a `session`, its server while that is in rotation and (given `overload_margin`) not
+        overloaded, else the least-loaded one, which the session is bound to from then on. Without,
+        `prefer` if it is in rotation, else the least-loaded server."""
+        if session is not None:
+            prefer = session.server
         deadline = time.monotonic() + timeout_s
         async with self._cond():
-            while (server := self._pick(prefer)) is None:
+            while (server := self._pick(prefer, overload_margin if session is not None else None)) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoServerError(
@@ -118,9 +166,29 @@ class ServerPool:
                     await asyncio.wait_for(self._cond().wait(), left)
                 except asyncio.TimeoutError:
                     pass
+        if session is not None and server is not session.server:
+            self._bind(session, server, overload_margin)
         server.in_flight += 1
         server.requests += 1
         return server
+
+    def _bind(self, session: Session, server: Server, overload_margin: int | None) -> None:
+        old = session.server
+        if old is not None:
+            why = self._unfit(old, overload_margin) or "gone"
+            self.counts["rollout/session_moves"] += 1
+            self.counts[f"rollout/session_moves_{why}"] += 1
+            old.sessions -= 1
+            logger.debug("session moves from %s to %s (%s)", old.address, server.address,
+                         old.reason if why == "gone" else f"{old.in_flight} requests in flight there")
+        session.server = server
+        server.sessions += 1
+
+    def end_session(self, session: Session) -> None:
+        """The episode is over: its server no longer counts it (safe to call more than once)."""
+        if session.server is not None:
+            session.server.sessions -= 1
+            session.server = None
 
     def release(self, server: Server) -> None:
         server.in_flight -= 1
@@ -254,7 +322,8 @@ class ServerPool:
             "pool/in_flight": sum(s.in_flight for s in self.servers), **self.counts}
         for s in self.servers:
             p = f"pool/server{s.index}"
-            out.update({f"{p}/requests": s.requests, f"{p}/in_flight": s.in_flight, f"{p}/healthy": int(s.healthy),
+            out.update({f"{p}/requests": s.requests, f"{p}/in_flight": s.in_flight, f"{p}/sessions": s.sessions,
+                        f"{p}/healthy": int(s.healthy),
                         f"{p}/fenced": int(s.fenced), f"{p}/version": s.version, f"{p}/failures": s.failures})
         return out
 
