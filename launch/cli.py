@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help=text, description=text)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's run_dir (holds metrics.jsonl)")
     p.add_argument("--out", "-o", default=None, help="where the report goes (default RUN_DIR/report)")
+    text = "check a run's trajectory ledger: prints lost=N duplicated=N, exits 1 unless both are 0"
+    p = sub.add_parser("audit", help=text, description=text)
+    p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="the run's directory (both sides' when they differ)")
     text = "CURVE key pairs (trainer and rollout side) for transport.curve_keys_dir"
     p = sub.add_parser("keys", help=text, description=text)
     p.add_argument("--out", "-o", required=True, help="a new directory for the keys (never overwritten)")
@@ -65,6 +68,18 @@ def _report(run_dir: str, out: str | None) -> int:
         print(f"not drawn: {line}", flush=True)
     print(f"report: {len(report.images)} plots and {report.index}", flush=True)
     return 0
+
+
+def _audit(run_dirs: list[str]) -> int:
+    from async_rl.utils.ledger import audit
+
+    result = audit(run_dirs)
+    for line in result.lines():
+        print(line)
+    for kind, ids in (("lost", result.lost_ids), ("duplicated", result.duplicated_ids)):
+        if ids:
+            print(f"{kind} ids (first 10): {', '.join(ids[:10])}")
+    return 0 if result.ok else 1
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -131,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args.run_dir, args.out)
         if args.command == "keys":
             return _keys(args.out)
+        if args.command == "audit":
+            return _audit(args.run_dirs)
         cfg = _load(args)
         setup_logging(cfg.log.level, cfg.run_dir, "launcher", console_level="WARNING")
         return _dispatch(args.command, cfg)

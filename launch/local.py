@@ -1,49 +1,176 @@
 """`async-rl run`: trainer and rollout (with its generation servers) as supervised local processes.
 
 The launcher supervises the trainer and the rollout process; the rollout process owns its
-generation servers (`rollout.num_servers`), and a server that dies is taken out of rotation
-there, so the run goes on while one server remains. A dead trainer or rollout ends the run.
+generation servers (`rollout.num_servers`) and restarts one whose process dies, on the same
+port (launch/server_keeper.py). Supervision (`supervise.*`):
+
+- A child that dies with a non-zero exit code or a signal is restarted after a backoff, at
+  most `supervise.max_restarts` times per component; the trainer restarts with
+  `trainer.resume=true` (from its newest checkpoint) on the same `transport.addr`, and the
+  rollout process restarts with it: a fresh rollout side joins at the trainer's restored
+  version, where the running one holds weights and staleness accounting of steps the trainer
+  will train again. Each restart is logged with its cause and appended to
+  `run_dir/restarts.jsonl`; the summary counts them. Once a component's budget is spent, the
+  next crash stops everything and the run fails with one line saying why (as with 0 restarts).
+- A child that exits 0 is done. A rollout process that crashes after the trainer finished is
+  not restarted (nothing would consume its data).
+- SIGTERM to the launcher drains: no more restarts; the trainer gets SIGTERM, finishes its
+  current step, checkpoints and tells the rollout side to stop (launch/supervision.py `Drain`);
+  after `supervise.drain_timeout_s` (or a second SIGTERM) whatever still runs is stopped. The
+  launcher then prints where the newest checkpoint is and exits 143 (128 + SIGTERM, as a
+  terminated job: a scheduler sees it did not finish, and `trainer.resume=true` continues it).
+- Ctrl-C (SIGINT) stops every process at once and exits 130, as before.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from async_rl.config import Config, save_config
+from async_rl.trainer.checkpoint import latest_checkpoint
+from async_rl.utils.ledger import LEDGERS, audit
 from async_rl.utils.metrics import read_jsonl
 from async_rl.trainer.backends import get_backend
 from launch.common import with_free_port
-from launch.procs import child_error, spawn, stop_all, with_overrides
+from launch.procs import child_cause, child_error, spawn, stop_all, with_overrides
 from launch.rollout_proc import rollout_main
+from launch.supervision import RESTARTS_FILE, RestartBudget, restart_lines
 from launch.trainer_proc import trainer_main
 
 logger = logging.getLogger(__name__)
 
+# the launcher's children, in start order; a restarted trainer resumes from its newest checkpoint
+TARGETS: dict[str, Callable[[Config], None]] = {"trainer": trainer_main, "rollout": rollout_main}
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
 
 class RunFailed(RuntimeError):
-    """A child process of the run died."""
+    """A child process of the run died (and its restart budget is spent)."""
 
 
-def supervise(cfg: Config, procs: dict, finish_s: float) -> None:
-    """Wait until every child exits 0; if one fails, stop the others and raise."""
-    done_at: float | None = None
-    while any(p.is_alive() for p in procs.values()):
-        for name, p in procs.items():
-            if not p.is_alive() and p.exitcode not in (0, None):
-                stop_all(list(procs.values()))
-                raise RunFailed(child_error(cfg, name, p))
-        if not procs["trainer"].is_alive():
-            done_at = done_at or time.monotonic()
-            if time.monotonic() - done_at > finish_s:
-                logger.warning("rollout did not finish %.0fs after the trainer; stopping it", finish_s)
-                stop_all(list(procs.values()))
-                return
-        time.sleep(0.2)
-    for name, p in procs.items():
-        if p.exitcode != 0:
-            raise RunFailed(child_error(cfg, name, p))
+class Drained(SystemExit):
+    """The run stopped on SIGTERM after draining: exit code 143."""
+
+    def __init__(self, message: str):
+        super().__init__(SIGTERM_EXIT)
+        self.message = message
+
+
+class Supervisor:
+    """Starts the trainer and the rollout process, restarts them when they crash, drains on SIGTERM."""
+
+    def __init__(self, cfg: Config, finish_s: float):
+        self.cfg, self.finish_s = cfg, finish_s
+        self.budget = RestartBudget(cfg)
+        self.procs: dict[str, Any] = {}
+        self.due: dict[str, float] = {}  # component -> when it restarts (time.monotonic)
+        self.sigterms = 0
+        self._trainer_done_at: float | None = None
+
+    def start(self, name: str, resume: bool = False) -> None:
+        cfg = with_overrides(self.cfg, trainer={"resume": True}) if resume else self.cfg
+        self.procs[name] = spawn(name, TARGETS[name], cfg)
+
+    def stop(self) -> None:
+        self.due.clear()
+        stop_all(list(self.procs.values()))
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        self.sigterms += 1
+
+    def run(self) -> bool:
+        """Supervise until the run ends; True when it ended by draining on SIGTERM."""
+        for name in TARGETS:
+            self.start(name)
+        while not self.sigterms:
+            if self.poll():
+                return False
+            time.sleep(0.2)
+        self.drain()
+        return True
+
+    def poll(self) -> bool:
+        """Restart what is due, handle what died; True once the run is over."""
+        now = time.monotonic()
+        if self._trainer_finished():
+            self.due.pop("rollout", None)  # nothing would consume its data
+        for name, at in list(self.due.items()):
+            if now >= at:
+                del self.due[name]
+                self.start(name, resume=name == "trainer")
+        for name, p in list(self.procs.items()):
+            if name not in self.due and not p.is_alive() and p.exitcode != 0:
+                self.crashed(name, p)
+        trainer, rollout = self.procs["trainer"], self.procs["rollout"]
+        if "trainer" in self.due or trainer.is_alive():
+            return False
+        self._trainer_done_at = self._trainer_done_at or now
+        if not rollout.is_alive():
+            return True
+        if now - self._trainer_done_at > self.finish_s:
+            logger.warning("rollout did not finish %.0fs after the trainer; stopping it", self.finish_s)
+            self.stop()
+            return True
+        return False
+
+    def crashed(self, name: str, proc: Any) -> None:
+        error = child_error(self.cfg, name, proc)
+        if self._trainer_finished():
+            self.stop()
+            raise RunFailed(error)  # nothing would consume a restarted rollout side's data
+        if not self.budget.allow(name):
+            self.stop()
+            raise RunFailed(self.budget.spent(name, error))
+        self.due[name] = time.monotonic() + self.budget.record(name, child_cause(self.cfg, name, proc))
+        if name == "trainer":
+            self._restart_rollout_with_trainer()
+
+    def _trainer_finished(self) -> bool:
+        return "trainer" not in self.due and self.procs["trainer"].exitcode == 0
+
+    def _restart_rollout_with_trainer(self) -> None:
+        if latest_checkpoint(Path(self.cfg.run_dir) / "checkpoints") is None:
+            logger.warning("no checkpoint under %s yet (trainer.checkpoint_every=%d): the trainer starts "
+                           "again from step 0", Path(self.cfg.run_dir) / "checkpoints",
+                           self.cfg.trainer.checkpoint_every)
+        if "rollout" in self.due:
+            return
+        stop_all([self.procs["rollout"]])
+        self.budget.record("rollout", "the trainer restarts: a fresh rollout side joins at its restored version",
+                           counted=False)
+        self.due["rollout"] = self.due["trainer"]
+
+    def drain(self) -> None:
+        """SIGTERM: the trainer finishes its step and checkpoints; then everything stops."""
+        timeout = self.cfg.supervise.drain_timeout_s
+        logger.warning("SIGTERM: draining (no more restarts; the trainer finishes its step and checkpoints, "
+                       "at most %.0fs: supervise.drain_timeout_s; SIGTERM again stops everything now)", timeout)
+        self.due.clear()
+        deadline = time.monotonic() + timeout
+        trainer = self.procs["trainer"]
+        if trainer.is_alive():
+            trainer.terminate()
+        self._wait([trainer], deadline)
+        if trainer.exitcode == 0:  # drained: it told the rollout side to stop
+            self._wait(list(self.procs.values()), deadline)
+        self.stop()
+
+    def _wait(self, procs: list[Any], deadline: float) -> None:
+        terms = self.sigterms
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline and self.sigterms == terms:
+            time.sleep(0.2)
+
+    def drained_message(self) -> str:
+        ckpt = latest_checkpoint(Path(self.cfg.run_dir) / "checkpoints")
+        where = (f"newest checkpoint {ckpt}; continue the run with trainer.resume=true" if ckpt is not None
+                 else "no checkpoint was written")
+        return f"stopped on SIGTERM after draining: {where}"
 
 
 def summary(cfg: Config) -> list[str]:
@@ -77,20 +204,39 @@ def summary(cfg: Config) -> list[str]:
             hit = next((r for r in periodic if r["eval/accuracy"] >= threshold), None)
             lines.append(f"time to accuracy >= {threshold:.2f}: " + (
                 f"{hit['timing/train_wall_s']:.0f}s of training (version {hit['step']})" if hit else "not reached"))
-    return lines
+    return lines + restart_lines(cfg.run_dir) + ledger_lines(cfg.run_dir)
+
+
+def ledger_lines(run_dir: str) -> list[str]:
+    """What became of every trajectory produced (the ledger's audit), for the run summary."""
+    try:
+        result = audit([run_dir])
+    except ValueError:  # no ledger (the rollout side writes into another run directory)
+        return []
+    return ["trajectories: " + result.lines()[0].replace("=", " ")
+            + f"; lost {len(result.lost_ids)}, trained twice {len(result.duplicated_ids)} (`async-rl audit {run_dir}`)"]
 
 
 def run_local(cfg: Config) -> list[str]:
     get_backend(cfg.trainer.backend).check(cfg.trainer)  # every trainer rank runs here: fail before starting any
     cfg = with_overrides(cfg, transport={"addr": with_free_port(cfg.transport.addr)})
     save_config(cfg, cfg.run_dir)
-    for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl"):
-        (Path(cfg.run_dir) / stale).unlink(missing_ok=True)
-    procs = {"trainer": spawn("trainer", trainer_main, cfg)}
-    procs["rollout"] = spawn("rollout", rollout_main, cfg)
+    for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl", *LEDGERS):
+        if not cfg.trainer.resume:  # a resumed run keeps its history (the trainer trims what it redoes)
+            (Path(cfg.run_dir) / stale).unlink(missing_ok=True)
+    (Path(cfg.run_dir) / RESTARTS_FILE).unlink(missing_ok=True)  # the restart budget is this launch's
+    sup = Supervisor(cfg, finish_s=cfg.rollout.connect_timeout_s + 300)
+    previous = signal.signal(signal.SIGTERM, sup.on_sigterm)
     try:
-        supervise(cfg, procs, finish_s=cfg.rollout.connect_timeout_s + 300)
+        drained = sup.run()
     except KeyboardInterrupt:
-        stop_all(list(procs.values()))
+        sup.stop()
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if drained:
+        for line in summary(cfg):
+            print(line, flush=True)
+        print(sup.drained_message(), file=sys.stderr, flush=True)
+        raise Drained(sup.drained_message())
     return summary(cfg)

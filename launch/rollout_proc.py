@@ -10,9 +10,9 @@ requests move to the others; the run fails only when none is left.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,12 @@ from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.tasks import build_task
 from async_rl.transport.client import TrajectoryQueueClient
+from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.receivers import build_receiver
 from launch.common import effective_threads, pin_to_pool
 from launch.procs import stop_all, with_overrides
+from launch.server_keeper import ServerKeeper, write_server_listing
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: 
     return pool
 
 
-async def _run(cfg: Config, addrs: list[str], external: bool) -> None:
+async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any]) -> None:
     tokenizer = load_tokenizer(cfg.model)
     task = build_task(cfg.task)
     pool = await _ready_pool(cfg, addrs, external, tokenizer)
@@ -73,8 +75,14 @@ async def _run(cfg: Config, addrs: list[str], external: bool) -> None:
                                   peer_timeout_s=cfg.transport.peer_timeout_s,
                                   curve_keys_dir=cfg.transport.curve_keys_dir)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
+    # our own servers are restarted when their process dies, and caught up to the current weights
+    keeper = ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg)) if procs else None
+    weights = keeper.receiver if keeper else weights
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
+    ledger = Ledger(Path(cfg.run_dir) / "ledger_rollout.jsonl")  # trajectory ids produced (`async-rl audit`)
     pool.start()
+    if keeper:
+        keeper.start()
     try:
         await queue.connect(cfg.rollout.connect_timeout_s)
         joined_at = int(queue.trainer_state.get("policy_version", 0))
@@ -86,15 +94,19 @@ async def _run(cfg: Config, addrs: list[str], external: bool) -> None:
             _record_eval(cfg, "before", 0, await evaluate(evaluator, tokenizer, task, eval_set,
                                                           cfg.rollout.eval_max_new_tokens, mc))
         controller = RolloutController(cfg, pool, queue, queue.controls(), tokenizer, task, metrics,
-                                       weights=weights)
+                                       weights=weights, ledger=ledger)
         controller.join(queue.trainer_state)
         await controller.run(cfg.seed)
         if controller.final_version is not None:
+            ledger.record("untrained_at_end", queue.unacked_ids())  # produced after the last step: reported
             _record_eval(cfg, "after", controller.final_version,
                          await evaluate(evaluator, tokenizer, task, eval_set, cfg.rollout.eval_max_new_tokens, mc))
     finally:
+        if keeper:
+            await keeper.close()
         metrics.close()
         await queue.close()
+        ledger.close()
         await pool.close()
 
 
@@ -127,11 +139,17 @@ def start_servers(cfg: Config) -> tuple[list[Any], list[str]]:
         stop_all([proc for proc, _ in results])
         raise errors[0]
     logger.info("started %d generation server(s): %s", n, ", ".join(url for _, url in results))
-    listing = [{"index": i, "pid": proc.pid, "url": url} for i, (proc, url) in enumerate(results)]
-    tmp = Path(cfg.run_dir) / "servers.json.tmp"
-    tmp.write_text(json.dumps(listing, indent=1))
-    tmp.replace(tmp.with_suffix(""))  # servers.json: which process serves which URL, never half-written
-    return [proc for proc, _ in results], [url for _, url in results]
+    procs, urls = [proc for proc, _ in results], [url for _, url in results]
+    write_server_listing(cfg.run_dir, procs, urls)
+    return procs, urls
+
+
+def restart_server(cfg: Config, index: int, port: int) -> tuple[Any, str]:
+    """Start server `index` again on `port` (its old one, so its URL stays); (process, url) once it serves."""
+    from launch.servers import SERVER_LAUNCHERS
+
+    own = server_config(cfg, index, cfg.rollout.num_servers)
+    return SERVER_LAUNCHERS[cfg.engine.backend](with_overrides(own, engine={"port": port}), index)
 
 
 def rollout_main(cfg: Config) -> None:
@@ -147,6 +165,6 @@ def rollout_main(cfg: Config) -> None:
     if not external:
         procs, addrs = start_servers(cfg)
     try:
-        asyncio.run(_run(cfg, addrs, external))
+        asyncio.run(_run(cfg, addrs, external, procs))
     finally:
         stop_all(procs)

@@ -22,7 +22,9 @@ import torch
 from tqdm import tqdm
 
 from async_rl.config import Config
+from async_rl.trainer.backends import train_staleness
 from async_rl.trainer.checkpoint import latest_checkpoint
+from async_rl.utils.ledger import Ledger, roll_back
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
@@ -133,6 +135,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     publisher = build_publisher(cfg, queue.broadcast)  # weight_sync.transport: disk | zmq | dist
     (run_dir / "trainer_address").write_text(queue.address)
     start = _resume(cfg, trainer, run_dir) if cfg.trainer.resume else 0
+    ledger = Ledger(run_dir / "ledger_trainer.jsonl")  # trained / dropped ids, checked by `async-rl audit`
     queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
     bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,
                dynamic_ncols=True)
@@ -150,11 +153,16 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
                 cores.busy()
             if traj_log is not None:
                 _log_trajectories(traj_log, groups, step)
+            floor = trainer.policy_version - train_staleness(cfg)
             stats = trainer.train_step(groups)
+            dropped = [t.id for g in groups for t in g if t.oldest_version() < floor]
+            if dropped:
+                ledger.record("dropped_stale", dropped, step=step)
             if stats.get("train/skipped_batch"):
                 skipped += 1
                 _skip_batch(queue, groups, trainer.policy_version, skipped)
                 continue
+            ledger.record("trained", [t.id for g in groups for t in g if t.oldest_version() >= floor], step=step)
             queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
             stats["train/skipped_batches"] = skipped
             t1 = time.perf_counter()
@@ -177,6 +185,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     finally:
         bar.close()
         metrics.close()
+        ledger.close()
         if traj_log is not None:
             traj_log.close()
         queue.close()
@@ -203,7 +212,9 @@ def _resume(cfg: Config, trainer, run_dir: Path) -> int:
     if path.is_file():
         keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
         path.write_text("".join(line + "\n" for line in keep))
-    logger.info("resumed from %s: step %d, policy version %d", ckpt, step, trainer.policy_version)
+    redone = roll_back(run_dir / "ledger_trainer.jsonl", step)
+    logger.info("resumed from %s: step %d, policy version %d (%d trajectories trained after it are rolled back)",
+                ckpt, step, trainer.policy_version, redone)
     return step
 
 

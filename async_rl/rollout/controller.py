@@ -30,6 +30,7 @@ from async_rl.rollout.server_pool import ServerPool
 from async_rl.rollout.staleness import StalenessGate
 from async_rl.rollout.weight_update import update_servers
 from async_rl.types import Sample, SamplingParams, new_id
+from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.seeding import derive_seed
 from async_rl.weight_sync.receivers import DiskWeightReceiver
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 class RolloutController:
     def __init__(self, cfg: Config, clients: list[GenerationClient] | ServerPool, sink: TrajectorySink,
                  controls: AsyncIterator[dict[str, Any]], tokenizer: Any, task: Any,
-                 metrics: MetricsLogger | None = None, weights: WeightReceiver | None = None):
+                 metrics: MetricsLogger | None = None, weights: WeightReceiver | None = None,
+                 ledger: Ledger | None = None):
         self.cfg = cfg
         self._own_pool = not isinstance(clients, ServerPool)  # a pool handed in is started and closed by its owner
         self.pool = ServerPool(clients, health_interval_s=cfg.rollout.health_interval_s) \
@@ -50,6 +52,7 @@ class RolloutController:
         self.tokenizer = tokenizer
         self.task = task
         self.metrics = metrics
+        self.ledger = ledger  # trajectory ids produced / abandoned (async_rl/utils/ledger.py)
         self.weights = weights or DiskWeightReceiver()  # turns a "weights" control message into loaded servers
         eta = 0 if cfg.mode == "sync" else cfg.max_staleness
         self.gate = StalenessGate(cfg.trainer.batch_size, eta)
@@ -94,6 +97,8 @@ class RolloutController:
         trajs = await asyncio.gather(*(self._one(sample, group_id, k) for k in range(self.cfg.rollout.group_size)))
         for t in trajs:
             t.timings["group_s"] = time.perf_counter() - t0
+        if self.ledger is not None:  # before sending: a group lost on the way shows up in the audit
+            self.ledger.record("produced", [t.id for t in trajs])
         await self.sink.put_group(list(trajs))
         self.groups_pushed += 1
         self.trajectories_pushed += len(trajs)
@@ -209,6 +214,8 @@ class RolloutController:
         await asyncio.gather(admit, control, *pending, return_exceptions=True)
         if pending:
             logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
+            if self.ledger is not None:
+                self.ledger.record("abandoned_groups", count=len(pending))
         if self.periodic_eval is not None:
             await self.periodic_eval.close()
         if self.tracer is not None:

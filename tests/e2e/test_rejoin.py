@@ -75,5 +75,9 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
     assert "joining a run in progress at version" in log2, log2[-3000:]
     loaded = [r["step"] for r in _rows(tmp_path / "r2" / "rollout_metrics.jsonl") if "sync/update_s" in r]
     assert loaded and loaded[0] >= killed_at - 1, loaded
+    # the ledger: nothing trained twice; what the killed side had produced but never delivered is counted
+    audited = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(tmp_path / "t"), str(tmp_path / "r1"),
+                              str(tmp_path / "r2")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "duplicated=0" in audited.stdout, audited.stdout + audited.stderr
     assert not (tmp_path / "r2" / "eval.jsonl").is_file() or all(
         e["when"] != "before" for e in _rows(tmp_path / "r2" / "eval.jsonl"))

@@ -46,6 +46,8 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta):
     walls = [e["timing/train_wall_s"] for e in periodic]
     assert walls == sorted(walls) and walls[0] > 0
     assert (tmp_path / "config.yaml").is_file()
+    audited = cli("audit", str(tmp_path), timeout=60)  # nothing produced was lost or trained twice
+    assert audited.returncode == 0 and "lost=0 duplicated=0" in audited.stdout, audited.stdout + audited.stderr
     if mode == "sync":  # every checkpoint is also a plain Hugging Face model directory
         _loads_as_hf_model(tmp_path / "checkpoints" / f"step_{steps:06d}")
     assert "greedy accuracy" in res.stdout
