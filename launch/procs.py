@@ -53,6 +53,7 @@ def child_entry(name: str, target: Callable[..., None], cfg: Config, kwargs: dic
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us in order
     err = error_file(cfg.run_dir, name)
     err.unlink(missing_ok=True)
+    pid_file(cfg.run_dir, name).write_text(str(os.getpid()))  # who to signal (tests, operators); a restart rewrites it
     try:
         target(cfg, **kwargs)
     except KeyboardInterrupt:
@@ -73,9 +74,28 @@ def spawn(name: str, target: Callable[..., None], cfg: Config, **kwargs) -> mp.P
     return proc
 
 
-def child_error(cfg: Config, name: str, proc: mp.Process) -> str:
+def pid_file(run_dir: str | Path, name: str) -> Path:
+    return Path(run_dir) / "logs" / f"{name}.pid"
+
+
+def exit_cause(exitcode: int | None) -> str:
+    """"exited with code 2", or "killed by SIGKILL" for a child a signal ended."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def child_cause(cfg: Config, name: str, proc: mp.Process) -> str:
+    """Why a child died: its one-line error, else how it exited."""
     f = error_file(cfg.run_dir, name)
-    why = f.read_text().strip() if f.is_file() else f"exited with code {proc.exitcode}"
+    return f.read_text().strip() if f.is_file() else exit_cause(proc.exitcode)
+
+
+def child_error(cfg: Config, name: str, proc: mp.Process) -> str:
+    why = child_cause(cfg, name, proc)
     return f"{name}: {why} (log: {Path(cfg.run_dir) / 'logs' / (name + '.log')})"
 
 
