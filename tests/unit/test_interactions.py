@@ -88,6 +88,9 @@ def test_echo_user_prefix_match_and_format_score():
     user = EchoUser(max_turns=2, format_score=0.1)
     assert run(_episode(user, {"text": "3"}, ["4", "5"]))[1] == 0.1  # answered, never right
     assert run(_episode(user, {"text": "3"}, []))[1] == 0.0  # never judged (cut at its token limit)
+    assert run(_episode(user, {"text": "3"}, ["", " "]))[1] == 0.0  # empty turns are no answer
+    assert run(_episode(ArithUser(format_score=0.2, max_turns=1), {"answer": "7"}, ["eight"]))[1] == 0.0
+    assert run(_episode(ArithUser(format_score=0.2, max_turns=1), {"answer": "7"}, ["8"]))[1] == 0.2
     assert run(_episode(user, {"text": "3"}, ["4", "3"]))[1] == 0.5
 
 

@@ -7,12 +7,14 @@ id (made in `start_interaction`, dropped in `finalize_interaction`). The episode
 answer before that; when it never got it right:
 
     score = discount ** wrong_answers   if solved
-            format_score                if it answered (ended a turn) but never right (default 0)
-            0                           if no turn of it was ever judged
+            format_score                if it answered but never right (default 0)
+            0                           if it never answered
 
-A turn the agent loop cuts at its token limit never reaches the user, so a small
-`format_score` makes answering wrong better than not answering at all; without it, a policy
-can escape judgement by never ending its turns (the interaction_debug config sets 0.1).
+An answer is a turn the user judged that holds one (arith_user: a number; echo_user: any
+text). A turn the agent loop cuts at its token limit never reaches the user, and an empty
+turn says nothing, so a small `format_score` makes a wrong answer better than either;
+without it a policy can escape judgement by never ending its turns (the interaction_debug
+config sets 0.1).
 
 Turn scores (1 for the answer that was right, 0 for a wrong one) go with every reply, so a
 turn-level advantage estimator (`trainer.advantage: grpo_turn`) can credit single turns.
@@ -71,12 +73,14 @@ class _JudgingUser(BaseInteraction):
                              "(start_interaction was not called, or it was already finalized)") from None
 
     def _start(self, instance_id: str, target: str) -> str:
-        self._state[instance_id] = {"target": target, "wrong": 0, "turns": 0, "solved": False}
+        self._state[instance_id] = {"target": target, "wrong": 0, "turns": 0, "answered": 0, "solved": False}
         return instance_id
 
-    def _judge(self, instance_id: str, correct: bool, wrong_reply: str) -> InteractionTurn:
+    def _judge(self, instance_id: str, correct: bool, answered: bool, wrong_reply: str) -> InteractionTurn:
+        """Record a verdict; `answered`: the turn was an answer at all (for `format_score`)."""
         st = self._get(instance_id)
         st["turns"] += 1
+        st["answered"] += int(answered or correct)
         if correct:
             st["solved"] = True
             return InteractionTurn(done=True, reply="", score=1.0, extra={"turn": st["turns"], "correct": True})
@@ -89,7 +93,7 @@ class _JudgingUser(BaseInteraction):
         st = self._get(instance_id)
         if st["solved"]:
             return self.discount ** st["wrong"]
-        return self.format_score if st["turns"] else 0.0
+        return self.format_score if st["answered"] else 0.0
 
     async def finalize_interaction(self, instance_id: str) -> None:
         self._state.pop(instance_id, None)
@@ -145,7 +149,7 @@ class ArithUser(_JudgingUser):
         answer = self._get(instance_id)["target"]
         got = last_number(last_assistant_text(messages))
         correct = got is not None and float(got) == float(answer)
-        return self._judge(instance_id, correct, self.feedback(got, answer))
+        return self._judge(instance_id, correct, got is not None, self.feedback(got, answer))
 
 
 # How echo_user compares the model's turn (stripped) with the text it asked for.
@@ -182,5 +186,5 @@ class EchoUser(_JudgingUser):
     async def generate_response(self, instance_id: str, messages: list[dict[str, Any]],
                                 **kwargs: Any) -> InteractionTurn:
         text = self._get(instance_id)["target"]
-        correct = self.match(last_assistant_text(messages).strip(), text)
-        return self._judge(instance_id, correct, self.retry.format(text=text))
+        said = last_assistant_text(messages).strip()
+        return self._judge(instance_id, self.match(said, text), bool(said), self.retry.format(text=text))
