@@ -28,6 +28,7 @@ from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.tasks import build_task
 from async_rl.transport.client import TrajectoryQueueClient
+from async_rl.transport.outbox import Outbox
 from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.receivers import build_receiver
@@ -93,12 +94,24 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any]) 
             (Path(cfg.run_dir) / "eval.jsonl").unlink(missing_ok=True)
             _record_eval(cfg, "before", 0, await evaluate(evaluator, tokenizer, task, eval_set,
                                                           cfg.rollout.eval_max_new_tokens, mc))
-        controller = RolloutController(cfg, pool, queue, queue.controls(), tokenizer, task, metrics,
-                                       weights=weights, ledger=ledger)
+        outbox = Outbox(Path(cfg.run_dir) / "outbox", str(queue.trainer_state.get("run_id", "")))
+        queue.on_acked = outbox.ack
+        pending = outbox.pending()  # what this side produced before a crash and the trainer never acknowledged
+        controller = RolloutController(cfg, pool, _DurableSink(queue, outbox), queue.controls(), tokenizer, task,
+                                       metrics, weights=weights, ledger=ledger)
+        # re-sent groups are not added to the gate's count: the trainer drops those it already has (a
+        # crash before their acknowledgement arrived); the rest can only make the next batch one group
+        # fuller, and the trainer's staleness check still holds
         controller.join(queue.trainer_state)
+        if pending:
+            logger.info("sending %d groups again that the trainer never acknowledged", len(pending))
+            for group in pending:
+                ledger.record("resent", [t.id for t in group])
+                await queue.put_group(group)
         await controller.run(cfg.seed)
         if controller.final_version is not None:
             ledger.record("untrained_at_end", queue.unacked_ids())  # produced after the last step: reported
+            outbox.clear()
             _record_eval(cfg, "after", controller.final_version,
                          await evaluate(evaluator, tokenizer, task, eval_set, cfg.rollout.eval_max_new_tokens, mc))
     finally:
@@ -108,6 +121,17 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any]) 
         await queue.close()
         ledger.close()
         await pool.close()
+
+
+class _DurableSink:
+    """The queue, with every group kept in the outbox until the trainer acknowledges it."""
+
+    def __init__(self, queue: TrajectoryQueueClient, outbox: Outbox):
+        self.queue, self.outbox = queue, outbox
+
+    async def put_group(self, trajectories: list) -> None:
+        self.outbox.put(trajectories)
+        await self.queue.put_group(trajectories)
 
 
 def server_config(cfg: Config, index: int, count: int) -> Config:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from async_rl.config import Config
 from async_rl.trainer.backends import train_staleness
 from async_rl.trainer.checkpoint import latest_checkpoint
-from async_rl.utils.ledger import Ledger, roll_back
+from async_rl.utils.ledger import Ledger, roll_back, trained_ids
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
@@ -134,7 +135,8 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     logger.info("trainer queue listening on %s", queue.address)
     publisher = build_publisher(cfg, queue.broadcast)  # weight_sync.transport: disk | zmq | dist
     (run_dir / "trainer_address").write_text(queue.address)
-    start = _resume(cfg, trainer, run_dir) if cfg.trainer.resume else 0
+    queue.run_id = _run_id(run_dir, cfg.trainer.resume)
+    start = _resume(cfg, trainer, run_dir, queue) if cfg.trainer.resume else 0
     ledger = Ledger(run_dir / "ledger_trainer.jsonl")  # trained / dropped ids, checked by `async-rl audit`
     queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
     bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,
@@ -198,7 +200,17 @@ def _checkpoint(trainer, run_dir: Path, step: int, cfg: Config) -> None:
                              "rng": trainer.rng_state()})
 
 
-def _resume(cfg: Config, trainer, run_dir: Path) -> int:
+def _run_id(run_dir: Path, resume: bool) -> str:
+    """This run's identity (kept by a resumed run): producers' outboxes hold data of one run only."""
+    path = run_dir / "run_id"
+    if resume and path.is_file():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex
+    path.write_text(run_id)
+    return run_id
+
+
+def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -> int:
     """Restore the newest checkpoint (weights, optimizer, version, RNG); return the step to continue at.
     Metrics rows of steps after it (a run that went on past its last checkpoint) are dropped: those
     steps are trained again."""
@@ -213,6 +225,7 @@ def _resume(cfg: Config, trainer, run_dir: Path) -> int:
         keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
         path.write_text("".join(line + "\n" for line in keep))
     redone = roll_back(run_dir / "ledger_trainer.jsonl", step)
+    queue.mark_seen(trained_ids(run_dir / "ledger_trainer.jsonl"))  # sent again by a producer: not trained twice
     logger.info("resumed from %s: step %d, policy version %d (%d trajectories trained after it are rolled back)",
                 ckpt, step, trainer.policy_version, redone)
     return step

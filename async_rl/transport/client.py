@@ -71,7 +71,8 @@ class TrajectoryQueueClient:
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
         self._sock: zmq.asyncio.Socket | None = None
         self.capacity = 0
-        self.trainer_state: dict[str, int] = {}  # from WELCOME: policy_version and admitted (the trainer's accounting)
+        self.trainer_state: dict[str, Any] = {}  # from WELCOME: policy_version, admitted, run_id
+        self.on_acked: Callable[[list[str]], None] | None = None  # ids the trainer consumed (the outbox forgets them)
         self._granted = self._sent = self._want = 0  # this session's credit counts (see messages.py)
         self._registered = False
         self._session = 0  # number of the last HELLO sent
@@ -276,7 +277,7 @@ class TrajectoryQueueClient:
     def _on_welcome(self, msg: Welcome) -> None:
         self.capacity, self._granted, self._sent, self._want = msg.capacity, msg.granted, 0, 0
         self._registered = True
-        self.trainer_state = {"policy_version": msg.policy_version, "admitted": msg.admitted}
+        self.trainer_state = {"policy_version": msg.policy_version, "admitted": msg.admitted, "run_id": msg.run_id}
         self._counts["queue/sessions"] += 1
         if self._counts["queue/sessions"] > 1 and self._groups:
             logger.info("new session with the trainer: re-sending %d unacknowledged groups", len(self._groups))
@@ -340,6 +341,8 @@ class TrajectoryQueueClient:
             msg = self._parse(await self._sock.recv_multipart(copy=False))
             if isinstance(msg, Credit):
                 self._granted = msg.granted
+                if self.on_acked is not None and msg.acks:
+                    self.on_acked(list(msg.acks))
                 for tid in msg.acks:
                     seq = self._group_of.pop(tid, None)
                     if seq is not None:

@@ -161,10 +161,12 @@ class Welcome:
     protocol: int = PROTOCOL_VERSION
     policy_version: int = 0
     admitted: int = 0
+    run_id: str = ""  # the trainer's run (a producer's durable outbox belongs to one run)
 
     def to_wire(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "granted": self.granted, "session": self.session,
-                "protocol": self.protocol, "policy_version": self.policy_version, "admitted": self.admitted}
+                "protocol": self.protocol, "policy_version": self.policy_version, "admitted": self.admitted,
+                "run_id": self.run_id}
 
     @classmethod
     def from_wire(cls, d: Any) -> "Welcome":
@@ -174,7 +176,7 @@ class Welcome:
         return cls(capacity=capacity, granted=_count(d, "granted", "WELCOME"),
                    session=_count(d, "session", "WELCOME", 0), protocol=_get(d, "protocol", int, "WELCOME"),
                    policy_version=_count(d, "policy_version", "WELCOME", 0),
-                   admitted=_count(d, "admitted", "WELCOME", 0))
+                   admitted=_count(d, "admitted", "WELCOME", 0), run_id=_get(d, "run_id", str, "WELCOME", ""))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

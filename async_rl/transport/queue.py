@@ -150,12 +150,14 @@ class TrajectoryQueueServer:
                                       "queue/unknown_peer", "queue/lost_producers", "queue/send_failed",
                                       "queue/sessions"), 0)
         self._trainer_state = (0, 0)  # (policy_version, trained batch slots): told to every producer that joins
+        self.run_id = ""  # the run this trainer belongs to (told to producers: their outboxes are per run)
         self._counts["queue/auth_refused"] = 0  # handshakes refused by CURVE/ZAP (auth.py)
         self._error: BaseException | None = None
         # owned by the socket thread
         self._producers: dict[bytes, _Producer] = {}
         self._owner: dict[str, bytes] = {}  # trajectory id -> producer identity, until acknowledged
         self._seen = _RecentIds(dedup_window)
+        self._quiet_until = 0.0  # no malformed-message warning before this time (monotonic)
         self._outbox: deque[tuple[str, Any]] = deque()
         self._bulk = BulkLedger()  # bytes of BULK messages each producer has not acknowledged yet
         self._wake_r, self._wake_w = os.pipe()
@@ -246,6 +248,11 @@ class TrajectoryQueueServer:
                                f"message ({sum(sizes)} bytes, window {window_bytes}) within {wait_s:g}s") from None
         self._post("bulk", (seq, targets, Bulk(seq=seq, body=control, part_bytes=sizes, parts=tuple(parts))))
         return BulkTicket(self._bulk, seq, sum(sizes))
+
+    def mark_seen(self, ids: Iterable[str]) -> None:
+        """Ids trained before this process started (a resumed trainer): a producer that sends them
+        again gets them acknowledged as duplicates, never trained twice."""
+        self._post("seen", list(ids))
 
     def set_trainer_state(self, policy_version: int, trained_slots: int) -> None:
         """What a producer that joins from now on is told: the version of the current weights and the
@@ -348,7 +355,11 @@ class TrajectoryQueueServer:
             msg = unpack(frames[1].bytes, frames[2].buffer, TO_TRAINER)
         except WireFormatError as exc:
             self._count("queue/malformed")
-            logger.warning("malformed message from %r dropped: %s", identity[:40], exc)
+            now = time.monotonic()
+            if now >= self._quiet_until:  # a flood of bad frames is counted, not logged line by line
+                self._quiet_until = now + 10.0
+                logger.warning("malformed message from %r dropped: %s (more within 10s are only counted in "
+                               "queue/malformed)", identity[:40], exc)
             return
         self._handle(identity, msg)
 
@@ -367,11 +378,11 @@ class TrajectoryQueueServer:
                 self._counts["queue/sessions"] += 1
                 admitted = slots + self._buffered + len(self._handed)
             self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session,
-                                         policy_version=version, admitted=admitted))
+                                         policy_version=version, admitted=admitted, run_id=self.run_id))
             return
         if producer is None:  # we restarted or timed it out: it must say HELLO (and re-send) first
+            self._count("queue/unknown_peer")
             if not isinstance(msg, Bye):
-                self._count("queue/unknown_peer")
                 self._send(identity, TrainerHeartbeat(granted=0, registered=False))
             return
         producer.last_seen = time.monotonic()
@@ -424,6 +435,9 @@ class TrajectoryQueueServer:
                 for identity in list(self._producers):
                     self._send_frames(identity, [CONTROL, item])
                 del item  # a tracked frame completes once no reference is left
+            elif what == "seen":
+                for tid in item:
+                    self._seen.add(tid)
             elif what == "bulk":
                 seq, targets, bulk = item
                 frames = bulk.frames()

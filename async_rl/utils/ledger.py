@@ -72,6 +72,18 @@ def roll_back(path: str | Path, from_step: int) -> int:
     return len(ids)
 
 
+def trained_ids(path: str | Path) -> list[str]:
+    """Ids trained and not rolled back, per a trainer ledger (a resumed trainer never trains them again)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    count: Counter[str] = Counter()
+    for r in read_events(p):
+        if r["event"] in ("trained", "rolled_back"):
+            count.update({i: 1 if r["event"] == "trained" else -1 for i in r["ids"]})
+    return [i for i, n in count.items() if n > 0]
+
+
 @dataclass
 class AuditResult:
     produced: int = 0

@@ -232,7 +232,7 @@ def test_resent_duplicates_are_dropped_counted_and_acknowledged():
     with TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8, **FAST) as server:
         raw = _raw_producer(server, "dup")
         assert _recv(raw, b"WELCOME") == {"capacity": 8, "granted": 0, "session": 0, "protocol": 1,
-                                      "policy_version": 0, "admitted": 0}
+                                      "policy_version": 0, "admitted": 0, "run_id": ""}
         group = {"seq": 1, "trajectories": [t.to_wire() for t in make_group("dup", 0, 4)]}
         raw.send_multipart([b"HB", encode({"want": 4})])
         assert _recv(raw, b"CREDIT")["granted"] == 4

@@ -1,0 +1,89 @@
+"""The rollout side's durable outbox: every group stays on disk until the trainer acknowledges it.
+
+    outbox = Outbox(run_dir / "outbox", run_id)      # run_id: the trainer's (from WELCOME)
+    outbox.put(group)                                # before the group is sent
+    outbox.ack(ids)                                  # the trainer consumed them (a CREDIT's acks)
+    for group in outbox.pending(): ...               # after a restart: send these again first
+
+One file per group (`<first trajectory id>.grp`, the codec's bytes of the trajectories' wire
+forms), written atomically, removed once every trajectory of the group is acknowledged. A
+rollout side killed at any moment therefore loses nothing it produced: the restarted side
+finds the files and sends them again; the trainer drops (and acknowledges) ids it already
+has, so nothing is trained twice. The outbox belongs to one run: files written for another
+trainer run (`run_id`) are discarded, never sent to the wrong trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from async_rl.transport.codec import decode, encode
+from async_rl.types import Trajectory, WireFormatError
+
+logger = logging.getLogger(__name__)
+
+
+class Outbox:
+    def __init__(self, directory: str | Path, run_id: str):
+        self.dir = Path(directory)
+        owner = self.dir / "run_id"
+        if self.dir.is_dir() and (not owner.is_file() or owner.read_text() != run_id):
+            stale = len(list(self.dir.glob("*.grp")))
+            if stale:
+                logger.warning("outbox %s: %d groups of another run discarded", self.dir, stale)
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        owner.write_text(run_id)
+        self._file_of: dict[str, Path] = {}  # trajectory id -> its group's file
+        self._open: dict[Path, set[str]] = {}  # file -> ids not acknowledged yet
+
+    def _track(self, path: Path, ids: list[str]) -> None:
+        self._open[path] = set(ids)
+        for tid in ids:
+            self._file_of[tid] = path
+
+    def put(self, group: list[Trajectory]) -> None:
+        path = self.dir / f"{group[0].id}.grp"
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("wb") as f:
+            f.write(encode([t.to_wire() for t in group]))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+        self._track(path, [t.id for t in group])
+
+    def ack(self, ids: list[str]) -> None:
+        for tid in ids:
+            path = self._file_of.pop(tid, None)
+            if path is None:
+                continue
+            left = self._open.get(path)
+            if left is not None:
+                left.discard(tid)
+                if not left:
+                    del self._open[path]
+                    path.unlink(missing_ok=True)
+
+    def pending(self) -> list[list[Trajectory]]:
+        """Groups a previous incarnation produced that the trainer never acknowledged, oldest first."""
+        groups = []
+        for path in sorted(self.dir.glob("*.grp"), key=lambda p: p.stat().st_mtime):
+            try:
+                group = [Trajectory.from_wire(d) for d in decode(path.read_bytes())]
+            except (WireFormatError, ValueError, TypeError) as exc:  # cut by a crash mid-write: never sent
+                logger.warning("outbox %s: unreadable (%s): dropped", path.name, exc)
+                path.unlink(missing_ok=True)
+                continue
+            self._track(path, [t.id for t in group])
+            groups.append(group)
+        return groups
+
+    def clear(self) -> None:
+        """The run ended normally: what is left was reported untrained; nothing to send again."""
+        for path in self.dir.glob("*.grp"):
+            path.unlink(missing_ok=True)
+        self._file_of.clear()
+        self._open.clear()
