@@ -5,13 +5,16 @@ available and shows how to call one in the Hermes format the tool agent loop par
 
     <tool_call>{"name": "python", "arguments": {"code": "print(17*23)"}}</tool_call>
 
+followed by one worked example (question, that call, its result, the answer), then the question.
+
 The tool schemas also go to the chat template (`tools=`), but small models' templates
 often ignore them, so the system prompt carries everything the model needs. Samples run
 on `tool_agent` (or the loops `task.agents` names, cycled per prompt); the reward is 1 when
 the last number of the final assistant turn equals the answer (`task.answer_pick`).
 
 The held-out set uses the same prompts. The built-in evaluation is single-turn (it does not
-run tools), so it measures answers the model writes without a tool result.
+run tools), so it measures answers the model writes without a tool result: a first turn that
+calls a tool scores 0 there.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ SYSTEM_PROMPT = (
     "\"The answer is N.\""
 )
 QUESTION = "What is {a} {op} {b}?"
+# One worked example before the question: small models copy a format from the conversation far more
+# readily than from instructions (SmolLM2-135M calls a tool in about 0.4 of first turns with it, never
+# without it).
+EXAMPLE = [
+    {"role": "user", "content": QUESTION.format(a=17, op="*", b=23)},
+    {"role": "assistant", "content": '<tool_call>{"name": "python", "arguments": {"code": "print(17*23)"}}</tool_call>'},
+    {"role": "tool", "content": "391"},
+    {"role": "assistant", "content": "The answer is 391."},
+]
 
 
 def cycled(names: list[str], i: int, default: str) -> str:
@@ -57,7 +69,7 @@ class TirArithTask:
         a = rng.randint(self.cfg.min_operand, self.cfg.max_operand)
         b = rng.randint(self.cfg.min_operand, self.cfg.max_operand)
         op = rng.choice(self.cfg.ops)
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, *[dict(m) for m in EXAMPLE],
                     {"role": "user", "content": QUESTION.format(a=a, op=op, b=b)}]
         return Sample(id=idx, messages=messages, answer=str(_OPS[op](a, b)),
                       agent=cycled(self.cfg.agents, i, self.default_agent), info={"a": a, "b": b, "op": op})

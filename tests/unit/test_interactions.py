@@ -191,12 +191,14 @@ def test_interaction_debug_config_alphabet_covers_what_the_user_and_template_say
 def test_tir_arith_offers_tools_in_hermes_format_and_scores_the_last_number():
     task = build_task(TaskConfig(name="tir_arith", min_operand=11, max_operand=99, ops=["*"], eval_size=5))
     s = next(task.train_samples(0))
-    assert s.agent == "tool_agent" and [m["role"] for m in s.messages] == ["system", "user"]
+    assert s.agent == "tool_agent"
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
     system = s.messages[0]["content"]
     assert '<tool_call>{"name": "python", "arguments": {"code": "print(17*23)"}}</tool_call>' in system
     assert "calculator" in system
     a, b = s.info["a"], s.info["b"]
-    assert s.messages[1]["content"] == f"What is {a} * {b}?" and s.answer == str(a * b)
+    assert s.messages[-1]["content"] == f"What is {a} * {b}?" and s.answer == str(a * b)
+    assert "<tool_call>" in s.messages[2]["content"] and s.messages[3]["content"] == "391"  # the worked example
     assert 11 <= a <= 99 and 11 <= b <= 99
     assert task.reward(s, f"The answer is {a * b}.") == 1.0 and task.reward(s, f"{a * b} or {a * b + 1}") == 0.0
     assert [x.id for x in task.eval_samples()] == [f"eval-{i}" for i in range(5)]
