@@ -17,10 +17,9 @@ sets one that covers `USER_CHARS`.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 from async_rl.config import TaskConfig
-from async_rl.tasks.tir_arith import cycled
+from async_rl.tasks.generated import GeneratedTask, cycled
 from async_rl.types import Sample
 
 OPENING = "say {text}"
@@ -28,7 +27,7 @@ OPENING = "say {text}"
 USER_CHARS = set("say no,") | set("user assistant\n")  # plus the digits drawn
 
 
-class InteractionDebugTask:
+class InteractionDebugTask(GeneratedTask):
     """"say 3" -> "3"; reward (single-turn evaluation) = the stripped response equals the digit."""
 
     default_agent = "tool_agent"
@@ -38,7 +37,7 @@ class InteractionDebugTask:
         if cfg.min_operand < 0 or cfg.max_operand > 9:
             raise ValueError(f"task.min_operand/max_operand: interaction_debug draws single digits, so both must "
                              f"lie in 0..9, got {cfg.min_operand}..{cfg.max_operand}")
-        self.cfg = cfg
+        super().__init__(cfg)
 
     def _make(self, rng: random.Random, idx: str, i: int) -> Sample:
         text = str(rng.randint(self.cfg.min_operand, self.cfg.max_operand))
@@ -46,17 +45,6 @@ class InteractionDebugTask:
                 "interaction_kwargs": {"text": text, "answer": text}}
         return Sample(id=idx, messages=[{"role": "user", "content": OPENING.format(text=text)}], answer=text,
                       agent=cycled(self.cfg.agents, i, self.default_agent), info=info)
-
-    def train_samples(self, seed: int) -> Iterator[Sample]:
-        rng = random.Random(seed)
-        i = 0
-        while True:
-            yield self._make(rng, f"train-{i}", i)
-            i += 1
-
-    def eval_samples(self) -> list[Sample]:
-        rng = random.Random(self.cfg.eval_seed)
-        return [self._make(rng, f"eval-{i}", i) for i in range(self.cfg.eval_size)]
 
     def reward(self, sample: Sample, response_text: str) -> float:
         return 1.0 if response_text.strip() == sample.answer else 0.0

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import operator
 import random
-from collections.abc import Iterator
 
 from async_rl.config import TaskConfig
 from async_rl.rewards.math import exact_number_reward
+from async_rl.tasks.generated import GeneratedTask, cycled
 from async_rl.types import Sample
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -49,12 +49,7 @@ EXAMPLE = [
 ]
 
 
-def cycled(names: list[str], i: int, default: str) -> str:
-    """The i-th name of a list cycled per prompt, or the default when the list is empty."""
-    return names[i % len(names)] if names else default
-
-
-class TirArithTask:
+class TirArithTask(GeneratedTask):
     """"What is 347 * 86?" with tools on offer; reward = exact last number of the final answer."""
 
     default_agent = "tool_agent"
@@ -63,7 +58,7 @@ class TirArithTask:
         unknown = [op for op in cfg.ops if op not in _OPS]
         if unknown or not cfg.ops:
             raise ValueError(f"task.ops: unknown operator(s) {unknown or cfg.ops}; allowed: {sorted(_OPS)}")
-        self.cfg = cfg
+        super().__init__(cfg)
 
     def _make(self, rng: random.Random, idx: str, i: int) -> Sample:
         a = rng.randint(self.cfg.min_operand, self.cfg.max_operand)
@@ -73,17 +68,6 @@ class TirArithTask:
                     {"role": "user", "content": QUESTION.format(a=a, op=op, b=b)}]
         return Sample(id=idx, messages=messages, answer=str(_OPS[op](a, b)),
                       agent=cycled(self.cfg.agents, i, self.default_agent), info={"a": a, "b": b, "op": op})
-
-    def train_samples(self, seed: int) -> Iterator[Sample]:
-        rng = random.Random(seed)
-        i = 0
-        while True:
-            yield self._make(rng, f"train-{i}", i)
-            i += 1
-
-    def eval_samples(self) -> list[Sample]:
-        rng = random.Random(self.cfg.eval_seed)
-        return [self._make(rng, f"eval-{i}", i) for i in range(self.cfg.eval_size)]
 
     def reward(self, sample: Sample, response_text: str) -> float:
         return exact_number_reward(response_text, sample.answer, self.cfg.answer_pick)
