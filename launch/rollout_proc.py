@@ -110,7 +110,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any]) 
                 await queue.put_group(group)
         await controller.run(cfg.seed)
         if controller.final_version is not None:
-            ledger.record("untrained_at_end", queue.unacked_ids())  # produced after the last step: reported
+            ledger.record("untrained_at_end", outbox.open_ids())  # produced, never consumed (sent or not): reported
             outbox.clear()
             _record_eval(cfg, "after", controller.final_version,
                          await evaluate(evaluator, tokenizer, task, eval_set, cfg.rollout.eval_max_new_tokens, mc))

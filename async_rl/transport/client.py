@@ -99,9 +99,6 @@ class TrajectoryQueueClient:
         """Trajectories handed to put_group that the trainer has not acknowledged yet."""
         return len(self._group_of)
 
-    def unacked_ids(self) -> list[str]:
-        return list(self._group_of)
-
     @property
     def credits(self) -> int:
         return max(0, self._granted - self._sent) if self._registered else 0

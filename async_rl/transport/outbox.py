@@ -81,6 +81,10 @@ class Outbox:
             groups.append(group)
         return groups
 
+    def open_ids(self) -> list[str]:
+        """Ids put here and not acknowledged (sent or still waiting to be)."""
+        return list(self._file_of)
+
     def clear(self) -> None:
         """The run ended normally: what is left was reported untrained; nothing to send again."""
         for path in self.dir.glob("*.grp"):
