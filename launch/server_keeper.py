@@ -104,7 +104,9 @@ class ServerKeeper:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def settled(self) -> None:
-        """Wait (at most rollout.connect_timeout_s) until no server is being restarted."""
+        """Wait (at most rollout.connect_timeout_s) until no server is being restarted; a server that
+        died since the last look counts (a failed request may reveal it before the watch task does)."""
+        self._scan()
         try:
             await asyncio.wait_for(self._idle.wait(), self.cfg.rollout.connect_timeout_s)
         except asyncio.TimeoutError:
@@ -113,12 +115,16 @@ class ServerKeeper:
 
     async def _watch_loop(self) -> None:
         while True:
-            for i, proc in enumerate(self.procs):
-                if i not in self._reviving and i not in self._given_up and not proc.is_alive():
-                    self._idle.clear()
-                    self._reviving[i] = asyncio.create_task(self._revive(i), name=f"revive-server{i}")
-                    self._reviving[i].add_done_callback(lambda _t, i=i: self._revived(i))
+            self._scan()
             await asyncio.sleep(POLL_S)
+
+    def _scan(self) -> None:
+        """Start reviving every server whose process is gone (and is not being revived already)."""
+        for i, proc in enumerate(self.procs):
+            if i not in self._reviving and i not in self._given_up and not proc.is_alive():
+                self._idle.clear()
+                self._reviving[i] = asyncio.create_task(self._revive(i), name=f"revive-server{i}")
+                self._reviving[i].add_done_callback(lambda _t, i=i: self._revived(i))
 
     def _revived(self, index: int) -> None:
         self._reviving.pop(index, None)
