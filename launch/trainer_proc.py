@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from async_rl.config import Config
 from async_rl.trainer.backends import train_staleness
-from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.utils.ledger import Ledger, roll_back, trained_ids
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
@@ -32,6 +31,7 @@ from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
 from async_rl.utils.cores import refresh_per_layer
 from launch.common import setup_cores
+from launch.supervision import Drain, DrainRequested
 from launch.trainer_ranks import follower_main, lead, local_followers, rank_threads
 
 logger = logging.getLogger(__name__)
@@ -142,14 +142,18 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,
                dynamic_ncols=True)
     rejoin = _Rejoin(queue, publisher, trainer)
+    drain = Drain.install()  # SIGTERM: finish this step, checkpoint, tell the rollout side to stop
     skipped = 0
     try:
         step = start
-        while step < cfg.total_steps:
+        while step < cfg.total_steps and not drain.requested:
             t0 = time.perf_counter()
             if cores is not None:
                 cores.idle()
-            groups = _wait_batch(queue, cfg, on_tick=rejoin.check)
+            try:
+                groups = _wait_batch(queue, cfg, on_tick=lambda: (rejoin.check(), drain.check()))
+            except DrainRequested:
+                break
             wait_s = time.perf_counter() - t0
             if cores is not None:
                 cores.busy()
@@ -181,7 +185,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             if every and (step + 1) % every == 0 and step + 1 < cfg.total_steps:
                 _checkpoint(trainer, run_dir, step + 1, cfg)
             step += 1
-        _checkpoint(trainer, run_dir, cfg.total_steps, cfg)
+        _checkpoint(trainer, run_dir, step, cfg)  # cfg.total_steps unless drained
         queue.broadcast({"kind": "stop", "final_version": trainer.policy_version})
         _wait_producers_gone(queue, timeout=cfg.rollout.connect_timeout_s + 120)
     finally:
@@ -195,9 +199,26 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
 
 def _checkpoint(trainer, run_dir: Path, step: int, cfg: Config) -> None:
     trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{step:06d}"), step,
-                            {"policy_version": trainer.policy_version,
+                            {"policy_version": trainer.policy_version, "run_id": _read_run_id(run_dir),
                              "trained_slots": trainer.policy_version * cfg.trainer.batch_size,
                              "rng": trainer.rng_state()})
+
+
+def _read_run_id(run_dir: Path) -> str:
+    path = run_dir / "run_id"
+    return path.read_text().strip() if path.is_file() else ""
+
+
+def _run_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of this run (one left in run_dir by an earlier run is not resumed from)."""
+    run_id = _read_run_id(run_dir)
+    root = run_dir / "checkpoints"
+    found = sorted((d for d in root.glob("step_*") if (d / "meta.json").is_file()), reverse=True) \
+        if root.is_dir() else []
+    for d in found:
+        if json.loads((d / "meta.json").read_text()).get("run_id", run_id) == run_id:
+            return d
+    return None
 
 
 def _run_id(run_dir: Path, resume: bool) -> str:
@@ -214,7 +235,7 @@ def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -
     """Restore the newest checkpoint (weights, optimizer, version, RNG); return the step to continue at.
     Metrics rows of steps after it (a run that went on past its last checkpoint) are dropped: those
     steps are trained again."""
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    ckpt = _run_checkpoint(run_dir)
     if ckpt is None:
         logger.warning("trainer.resume: no checkpoint under %s: starting from step 0", run_dir / "checkpoints")
         return 0
