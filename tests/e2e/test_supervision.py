@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.utils.ledger import audit
 
