@@ -76,6 +76,10 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a count
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How one request is sampled. Names, meanings and defaults follow SGLang's native `sampling_params`
@@ -105,19 +109,19 @@ class SamplingParams:
 
     def validate(self, max_new_tokens_limit: int = 1 << 20) -> None:
         """Raise ValueError naming the first field with an impossible value."""
-        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= max_new_tokens_limit:
+        if not _integer(self.max_new_tokens) or not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(
                 f"sampling_params.max_new_tokens: must be an integer in [1, {max_new_tokens_limit}], "
                 f"got {self.max_new_tokens!r}"
             )
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if not _integer(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(f"sampling_params.min_new_tokens: must be an integer in [0, max_new_tokens="
                              f"{self.max_new_tokens}], got {self.min_new_tokens!r}")
         if not _number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"sampling_params.temperature: must be in [0, 100], got {self.temperature!r}")
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p: must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _integer(self.top_k) or self.top_k < -1:
             raise ValueError(f"sampling_params.top_k: must be -1 (off) or >= 0, got {self.top_k!r}")
         if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"sampling_params.min_p: must be in [0, 1], got {self.min_p!r}")
@@ -133,17 +137,17 @@ class SamplingParams:
                              f"got {self.logit_bias!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"sampling_params.n: must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+        if not _integer(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"sampling_params.top_logprobs: must be in [0, 20], got {self.top_logprobs!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _integer(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"sampling_params.stop_token_ids: must be non-negative integers, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"sampling_params.stop: must be non-empty strings, got {self.stop!r}")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sampling_params.{name}: must be true or false, got {getattr(self, name)!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"sampling_params.seed: must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _integer(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
+            raise ValueError(f"sampling_params.seed: must be a 64-bit signed integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

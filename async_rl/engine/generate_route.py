@@ -107,7 +107,10 @@ class GenerateRoute:
             return req.input_ids
         if self.tokenizer is None:
             raise ApiError(400, "text: this server has no tokenizer; send input_ids")
-        return self.tokenizer.encode(req.text)
+        try:
+            return self.tokenizer.encode(req.text)
+        except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800"): valid JSON, not valid Unicode
+            raise ApiError(400, f"text: the tokenizer refused it ({exc}); send valid Unicode text or input_ids") from None
 
     async def submit(self, rid: str, prompt: list[int], params: SamplingParams) -> list[RequestHandle]:
         n = params.n

@@ -272,7 +272,11 @@ class _OpenAI:
         p = req.prompt
         if isinstance(p, str) or (p and isinstance(p[0], str)):
             tok = self.tok("prompt")
-            return [tok.encode(s) for s in ([p] if isinstance(p, str) else p)]
+            try:
+                return [tok.encode(s) for s in ([p] if isinstance(p, str) else p)]
+            except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800"): valid JSON, not valid Unicode
+                raise ApiError(400, f"prompt: the tokenizer refused it ({exc}); send valid Unicode text or token ids") \
+                    from None
         prompts = [p] if not p or isinstance(p[0], int) else p
         if any(not ids for ids in prompts):
             raise ApiError(400, "prompt: must not be empty")

@@ -24,7 +24,8 @@ Answers follow SGLang's shapes (`sglang_api`): finish_reason objects, log-probs 
 `meta_info` adds `output_token_versions` (the policy version that sampled each token)
 and `num_interruptions`. Bad input is answered with 400 and
 `{"error": {"message": "<field>: <what is wrong>", ...}}`; the server keeps serving
-everyone else. A client that disconnects aborts its request.
+everyone else, and /metrics counts every answer of 400 and up (`engine/http_<status>_total`).
+A client that disconnects aborts its request.
 
 With `engine.api_key` set, every route but /health(_generate) and /get_model_info (/model_info)
 answers 401 without `Authorization: Bearer <token>` (`http_auth`: one dependency on the app).
@@ -116,6 +117,29 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class StatusCounter:
+    """ASGI middleware counting answers of status 400 and up, the router's 404/405 and 500s included:
+    `engine/http_<status>_total` in /metrics shows how much bad input a server turned away."""
+
+    def __init__(self, app: Any, counts: Counter[int]):
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.counts[message["status"]] += 1
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:  # answered with 500 by the outermost error handler
+            self.counts[500] += 1
+            raise
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -279,6 +303,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     closed = {"dependencies": [Depends(guard)], "openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(title="async_rl embedded engine", **(closed if guard else {}))  # guarded: no open schema pages
     install_error_handlers(app)
+    refused: Counter[int] = Counter()  # answers by status >= 400
+    app.add_middleware(StatusCounter, counts=refused)
     control = _Control(engine)
     add_generate_route(app, engine, tokenizer, control.retracted)
 
@@ -330,7 +356,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
 
     @app.get("/metrics")
     async def metrics():
-        return {**engine.stats(), **(guard.stats() if guard else {})}
+        return {**engine.stats(), **(guard.stats() if guard else {}),
+                **{f"engine/http_{status}_total": n for status, n in sorted(refused.items())}}
 
     add_openai_routes(app, engine, tokenizer=tokenizer, model_name=model_name)
     app.include_router(weight_router(engine))  # SGLang's distributed weight-update routes

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ DTYPES: dict[str, tuple[str, torch.dtype]] = {
     "int16": ("I16", torch.int16), "int8": ("I8", torch.int8), "uint8": ("U8", torch.uint8),
     "bool": ("BOOL", torch.bool)}
 _NAME_OF = {torch_dtype: name for name, (_, torch_dtype) in DTYPES.items()}
+MAX_BUCKETS = 1 << 20  # the most buckets a layout may plan
 _FROM_ST = {st: name for name, (st, _) in DTYPES.items()}
 
 
@@ -114,6 +116,9 @@ class WeightLayout:
         self.chunk_bytes = chunk_bytes
         self.aliases = dict(aliases or {})
         self.data_len = entries[-1].end if entries else 0
+        if self.data_len > MAX_BUCKETS * bucket_bytes:  # checked before the plan is built: it could not fit in memory
+            raise ValueError(f"shapes: {self.data_len} bytes of tensors would need more than {MAX_BUCKETS} buckets of "
+                             f"{bucket_bytes} bytes (a shape too large, or bucket_bytes too small)")
         self.buckets = [(s, min(s + bucket_bytes, self.data_len)) for s in range(0, self.data_len, bucket_bytes)]
         self._starts = [e.start for e in entries]
 
@@ -134,7 +139,7 @@ class WeightLayout:
             dname = dtype_name(dtype, f"dtypes[{i}]")
             if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ValueError(f"shapes[{i}]: expected a list of sizes >= 0, got {shape!r}")
-            size = int(np.prod(shape, dtype=np.int64)) * DTYPES[dname][1].itemsize
+            size = math.prod(shape) * DTYPES[dname][1].itemsize  # exact: a huge shape must not wrap around
             entries.append(TensorEntry(name=name, dtype=dname, shape=tuple(shape), start=offset, end=offset + size))
             offset += size
         return cls(entries, version=version, bucket_bytes=bucket_bytes, aliases=aliases, chunk_bytes=chunk_bytes)
