@@ -129,8 +129,16 @@ def test_version_going_backwards_is_rejected(trained, tmp_path):
         asyncio.run(receiver.prepare(old))
     publisher = ZmqWeightPublisher(lambda c, w, **kw: None, 1 << 20, deadline_s=5)
     publisher.publish({"w": torch.ones(2)}, 3)
-    with pytest.raises(WeightSyncError, match="version: 3 is not newer"):
-        publisher.publish({"w": torch.ones(2)}, 3)
+    publisher.publish({"w": torch.ones(2)}, 3)  # the same version again: a replay for a side that joined
+    with pytest.raises(WeightSyncError, match="version: 2 is older than the last published"):
+        publisher.publish({"w": torch.ones(2)}, 2)
+
+
+def test_a_replayed_version_the_receiver_holds_is_skipped(trained, tmp_path):
+    receiver, commit, _ = _stream(trained.state_dict(), 4, 1 << 20, tmp_path)
+    first = asyncio.run(receiver.prepare(commit))
+    receiver, again, _ = _stream(trained.state_dict(), 4, 1 << 20, tmp_path, receiver=receiver)
+    assert asyncio.run(receiver.prepare(again)) == first  # nothing staged twice, no error sent back
 
 
 def test_manifest_that_does_not_hold_together_is_rejected(trained, tmp_path):
