@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from async_rl.config import Config
+from async_rl.config import Config, resolve_secret
 
 BUILT_IN_MODELS = ("tiny", "smollm2-135m")  # built in-process by async_rl.models: SGLang cannot load them
 
@@ -94,7 +94,14 @@ def sglang_command(cfg: Config, port: int) -> list[str]:
            "--random-seed", str(cfg.seed)]
     if cfg.model.dtype != "auto":
         cmd += ["--dtype", cfg.model.dtype]
+    if cfg.engine.api_key:  # SGLang then refuses requests without the bearer token, as the embedded server does
+        cmd += ["--api-key", resolve_secret(cfg.engine.api_key, "engine.api_key")]
     return cmd
+
+
+def _auth(cfg: Config) -> dict[str, str]:
+    token = resolve_secret(cfg.engine.api_key, "engine.api_key") if cfg.engine.api_key else ""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def _log_tail(path: Path, lines: int = 15) -> str:
@@ -107,7 +114,7 @@ def _log_tail(path: Path, lines: int = 15) -> str:
 def start_sglang(cfg: Config, index: int, timeout_s: float = 900.0) -> tuple[SGLangProcess, str]:
     """Start SGLang server `index`; return it and its URL once /health answers 200."""
     check_sglang(cfg, index)
-    port = cfg.engine.port + index if cfg.engine.port else _free_port(cfg.engine.host)
+    port = cfg.engine.port or _free_port(cfg.engine.host)  # server_config already gave server `index` its own port
     host = f"[{cfg.engine.host}]" if ":" in cfg.engine.host else cfg.engine.host
     url = f"http://{host}:{port}"
     log_path = Path(cfg.run_dir) / "logs" / f"sglang{index}.log"
@@ -123,7 +130,7 @@ def start_sglang(cfg: Config, index: int, timeout_s: float = 900.0) -> tuple[SGL
             raise RuntimeError(f"engine.backend=sglang: server {index} exited with code {proc.exitcode} "
                                f"(log: {log_path}):\n{_log_tail(log_path)}")
         try:
-            if httpx.get(f"{url}/health", timeout=5.0, trust_env=False).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=5.0, trust_env=False, headers=_auth(cfg)).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
