@@ -95,6 +95,9 @@ class Leader:
         self._announce("state_dict")
         return self.trainer.state_dict()
 
+    def rng_state(self) -> dict[str, Any]:
+        return self.trainer.rng_state()  # every rank draws the same minibatch assignments: rank 0 speaks for all
+
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         raise NotImplementedError("trainer.resume: a trainer of several ranks cannot resume yet; "
                                   "resume with trainer.world_size=1")

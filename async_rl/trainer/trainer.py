@@ -19,6 +19,7 @@ cannot make the trainer spin through versions without training.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -93,11 +94,12 @@ class PPOTrainer:
         return stats
 
     def rng_state(self) -> dict[str, Any]:
-        """What a resumed run needs to draw what the uninterrupted one would (JSON-able)."""
-        return {"minibatch": self._rng.bit_generator.state}
+        """What a resumed run needs to draw what the uninterrupted one would. The generator's 128-bit
+        state travels as JSON text (msgpack, between trainer ranks, has no integers that wide)."""
+        return {"minibatch": json.dumps(self._rng.bit_generator.state)}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        self._rng.bit_generator.state = state["minibatch"]
+        self._rng.bit_generator.state = json.loads(state["minibatch"])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """A detached CPU copy of the weights, named as model.state_dict().

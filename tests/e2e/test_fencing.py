@@ -22,7 +22,8 @@ import pytest
 from launch.common import free_port
 from tests.e2e.test_run import DEBUG, ROOT, cli, metrics
 
-PEER = ["transport.heartbeat_s=0.5", "transport.peer_timeout_s=3"]
+# a lost side is reported, not waited for (transport.rejoin_timeout_s=0; test_rejoin covers coming back)
+PEER = ["transport.heartbeat_s=0.5", "transport.peer_timeout_s=3", "transport.rejoin_timeout_s=0"]
 SMALL = ["task.eval_size=16", "trainer.batch_size=16"]  # a quicker start: a smaller evaluation and first batch
 
 
@@ -59,7 +60,8 @@ def start(command: str, *args: str) -> subprocess.Popen:
 def test_server_killed_during_a_weight_update_is_fenced_and_the_run_completes(tmp_path):
     steps = 6
     run = start("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", "log.progress=false", *SMALL[:1],
-                "rollout.num_servers=2", "rollout.health_interval_s=1", "weight_sync.deadline_s=5")
+                "rollout.num_servers=2", "rollout.health_interval_s=1", "weight_sync.deadline_s=5",
+                "supervise.max_restarts=0")  # fencing alone: the dead server is not restarted (test_supervision does that)
     try:
         servers = wait_for(lambda: (tmp_path / "servers.json").is_file() and json.loads(
             (tmp_path / "servers.json").read_text() or "null"), 120, "the servers", run)
