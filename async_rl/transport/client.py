@@ -35,7 +35,7 @@ from async_rl.transport.auth import HANDSHAKE_FAILED, client_curve_options, clie
 from async_rl.transport.messages import (
     BULK, MAX_ID_CHARS, TO_ROLLOUT, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
     TrainerHeartbeat, Welcome, pack, unpack)
-from async_rl.transport.queue import PeerTimeoutError, PeerUnreachableError, _check_addr, _check_timing
+from async_rl.transport.peers import PeerTimeoutError, PeerUnreachableError, _check_addr, _check_timing
 from async_rl.types import Trajectory, WireFormatError, new_id
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,71 @@
+"""What the trajectory queue knows of its peers, and the checks and errors both ends share.
+
+`_Producer` is the trainer side's record of one rollout producer (its credits and what it sent in
+this session); `_RecentIds` the bounded set of trajectory ids already received, which is how a
+re-sent group is recognised and dropped. The address and timing checks run where either end is
+built, so a bad `transport.*` value is one error naming the key.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class QueueTimeout(TimeoutError):
+    """What the training loop waited for did not arrive in time."""
+
+
+class PeerUnreachableError(ConnectionError):
+    """Nothing answered at the trainer's address."""
+
+
+class PeerTimeoutError(ConnectionError):
+    """The trainer stopped answering (no message for peer_timeout_s)."""
+
+
+def _check_addr(addr: str) -> str:
+    if not isinstance(addr, str) or not addr.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"transport.addr: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {addr!r}")
+    return addr
+
+
+def _check_timing(heartbeat_s: float, peer_timeout_s: float) -> None:
+    if not heartbeat_s > 0:
+        raise ValueError(f"transport.heartbeat_s: must be > 0, got {heartbeat_s}")
+    if not peer_timeout_s > heartbeat_s:
+        raise ValueError(f"transport.peer_timeout_s: must exceed heartbeat_s ({heartbeat_s}), got {peer_timeout_s}")
+
+
+class _RecentIds:
+    """The last `limit` trajectory ids received: a bounded set for dropping re-sent duplicates."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._set: set[str] = set()
+        self._order: deque[str] = deque()
+
+    def __contains__(self, tid: str) -> bool:
+        return tid in self._set
+
+    def add(self, tid: str) -> None:
+        self._set.add(tid)
+        self._order.append(tid)
+        if len(self._order) > self.limit:
+            self._set.discard(self._order.popleft())
+
+
+@dataclass
+class _Producer:
+    identity: bytes
+    name: str
+    granted: int = 0  # credits granted in this session (cumulative)
+    received: int = 0  # trajectories received in this session (cumulative, duplicates included)
+    want: int = 0  # cumulative credits it needs to send its next group; waiting while want > granted
+    waiting_since: float = 0.0
+    last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def held(self) -> int:
+        return max(0, self.granted - self.received)
