@@ -27,19 +27,14 @@ from async_rl.agent.tools.base import BaseTool, load_tools
 from async_rl.protocols import GenerationClient
 from async_rl.tool_parsers import ToolParser, build_tool_parser
 from async_rl.types import Sample, SamplingParams, Trajectory
+from async_rl.utils.registry import registrar
 
 RewardFn = Callable[[Sample, str], float]
 
 AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
 
 
-def register_agent_loop(name: str) -> Callable[[type["AgentLoop"]], type["AgentLoop"]]:
-    def deco(cls: type[AgentLoop]) -> type[AgentLoop]:
-        if name in AGENT_LOOPS and AGENT_LOOPS[name] is not cls:
-            raise ValueError(f"agent loop {name!r} is already registered by {AGENT_LOOPS[name].__name__}")
-        AGENT_LOOPS[name] = cls
-        return cls
-    return deco
+register_agent_loop = registrar(AGENT_LOOPS, "agent loop")  # @register_agent_loop("name") on an AgentLoop
 
 
 @dataclass

@@ -22,7 +22,6 @@ by name (`sample.info["interaction"]`):
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import yaml
 
 from async_rl.agent.tools.base import import_object
+from async_rl.utils.registry import registrar
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,13 +64,7 @@ class BaseInteraction(abc.ABC):
 INTERACTIONS: dict[str, type[BaseInteraction]] = {}
 
 
-def register_interaction(name: str) -> Callable[[type[BaseInteraction]], type[BaseInteraction]]:
-    def deco(cls: type[BaseInteraction]) -> type[BaseInteraction]:
-        if name in INTERACTIONS and INTERACTIONS[name] is not cls:
-            raise ValueError(f"interaction {name!r} is already registered by {INTERACTIONS[name].__name__}")
-        INTERACTIONS[name] = cls
-        return cls
-    return deco
+register_interaction = registrar(INTERACTIONS, "interaction")  # @register_interaction("name") on a BaseInteraction
 
 
 def load_interactions(path: str | Path) -> dict[str, BaseInteraction]:

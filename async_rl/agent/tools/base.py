@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from async_rl.utils.registry import add_to_registry
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolResult:
@@ -74,11 +76,8 @@ TOOLS: dict[str, type[BaseTool]] = {}
 
 def register_tool(name: str) -> Callable[[type[BaseTool]], type[BaseTool]]:
     def deco(cls: type[BaseTool]) -> type[BaseTool]:
-        if name in TOOLS and TOOLS[name] is not cls:
-            raise ValueError(f"tool {name!r} is already registered by {TOOLS[name].__name__}")
         cls.name = cls.name or name
-        TOOLS[name] = cls
-        return cls
+        return add_to_registry(TOOLS, "tool", name, cls)
     return deco
 
 
