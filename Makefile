@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/async-rl run --config configs/smollm2_arith.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
 
 clean:
 	rm -rf runs

@@ -16,7 +16,8 @@ prepared again and loaded into it (the `disk` and `zmq` transports keep the curr
 file; with `dist` it stays fenced until the next update loads it), and it rejoins the
 rotation. A weight update that arrives meanwhile waits for the restart (in the wrapped
 receiver's `prepare`, at most `rollout.connect_timeout_s`), so the update includes the
-restarted server rather than finding none to load. A server whose budget is spent stays out
+restarted server rather than finding none to load; and an update that finds its only server
+killed mid-load is not fatal (`pool.recovery`): the restart loads that version. A server whose budget is spent stays out
 of rotation: the run goes on while another server is in rotation, as before.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,7 @@ class ServerKeeper:
         self._idle = asyncio.Event()
         self._idle.set()
         self._watch: asyncio.Task | None = None
+        pool.recovery = self.recovering
 
     def start(self) -> "ServerKeeper":
         self._watch = asyncio.create_task(self._watch_loop(), name="server-keeper")
@@ -112,6 +115,18 @@ class ServerKeeper:
         except asyncio.TimeoutError:
             logger.warning("a generation server is still restarting after %.0fs; the weight update goes on "
                            "without it", self.cfg.rollout.connect_timeout_s)
+
+    async def recovering(self) -> bool:
+        """Whether a server is being restarted (it rejoins caught up to the pool's version). A server
+        whose connection just broke counts once its exit shows, which may take a moment after."""
+        deadline = time.monotonic() + 2 * POLL_S
+        while True:
+            self._scan()
+            if self._reviving:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     async def _watch_loop(self) -> None:
         while True:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,9 @@ class ServerPool:
         self._cursor = -1  # index of the last server a request was placed on (round-robin among equals)
         self._changed: asyncio.Condition | None = None
         self._health: asyncio.Task | None = None
+        # whoever restarts dead servers (launch/server_keeper.py): `await recovery()` says whether one is
+        # coming back, caught up to `version`; a weight update that no server loaded is fatal only if not
+        self.recovery: Callable[[], Awaitable[bool]] | None = None
 
     @property
     def clients(self) -> list[GenerationClient]:

@@ -7,7 +7,9 @@ paused, loaded and continued, all within `deadline_s`. A server that misses the 
 or fails is fenced (out of rotation; the generations on it move to other servers, see
 `failover.py`) while the others continue at once. A fenced server rejoins when it has
 loaded the current version (the next update includes it again). If no server loads the
-version, the run cannot go on: `WeightUpdateError` says why for each server.
+version and none is coming back with it (`pool.recovery`, the launcher's server keeper, which
+loads the current version into a server it restarts), the run cannot go on:
+`WeightUpdateError` says why for each server.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[s
     finally:
         await receiver.release(prepared)
     loaded = [t for t in took if t is not None]
+    if not loaded and pool.recovery is not None and await pool.recovery():
+        # e.g. the only server was killed mid-update: its restart loads this version before it rejoins
+        logger.warning("weight update v%d: no generation server loaded it; the restarting ones load it "
+                       "before they rejoin", version)
+        return {"sync/update_s": time.perf_counter() - t0, "sync/servers_loaded": 0,
+                "sync/servers_fenced": len(pool.servers)}
     if not loaded:
         raise WeightUpdateError(f"weight update v{version}: no generation server loaded it: "
                                 + "; ".join(s.describe() for s in pool.servers))

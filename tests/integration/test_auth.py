@@ -76,8 +76,11 @@ def _raw_intruder(addr: str, name: str, keys_dir: str | None) -> zmq.Socket:
     for opt, value in (client_curve_options(keys_dir) if keys_dir else {}).items():
         raw.setsockopt(opt, value)
     raw.connect(addr)
-    raw.send_multipart(pack(Hello(producer_id=name, session=1)))
-    raw.send_multipart(pack(Group(seq=1, trajectories=tuple(make_group(name)))))
+    for msg in (Hello(producer_id=name, session=1), Group(seq=1, trajectories=tuple(make_group(name)))):
+        try:  # once the refused handshake has dropped the connection, a DEALER has no peer to queue to
+            raw.send_multipart(pack(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
     return raw
 
 

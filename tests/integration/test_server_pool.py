@@ -188,6 +188,18 @@ def test_no_server_left_is_a_clear_error_not_a_hang(servers):
             assert time.monotonic() - t0 < 2.0 and dead in str(err.value)
             with pytest.raises(WeightUpdateError, match="v9: no generation server loaded it"):
                 await update_servers(pool, DiskWeightReceiver(), {"version": 9, "path": servers.weights}, 1.0)
+            asked = []
+
+            async def recovery(answer):  # what a server keeper says: is a restarted server coming back?
+                asked.append(answer)
+                return answer
+
+            pool.recovery = lambda: recovery(False)
+            with pytest.raises(WeightUpdateError, match="v10: no generation server loaded it"):
+                await update_servers(pool, DiskWeightReceiver(), {"version": 10, "path": servers.weights}, 1.0)
+            pool.recovery = lambda: recovery(True)  # its restart will load v11: the update is not fatal
+            stats = await update_servers(pool, DiskWeightReceiver(), {"version": 11, "path": servers.weights}, 1.0)
+            assert stats["sync/servers_loaded"] == 0 and pool.version == 11 and asked == [False, True]
         finally:
             await pool.close()
 
