@@ -28,7 +28,7 @@ from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.tasks import build_task
 from async_rl.transport.client import TrajectoryQueueClient
-from async_rl.transport.outbox import Outbox
+from async_rl.transport.outbox import Outbox, claim_side
 from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.receivers import build_receiver
@@ -68,11 +68,12 @@ async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: 
     return pool
 
 
-async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any]) -> None:
+async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], producer_id: str) -> None:
     tokenizer = load_tokenizer(cfg.model)
     task = build_task(cfg.task)
     pool = await _ready_pool(cfg, addrs, external, tokenizer)
-    queue = TrajectoryQueueClient(cfg.transport.addr, heartbeat_s=cfg.transport.heartbeat_s,
+    queue = TrajectoryQueueClient(cfg.transport.addr, producer_id=producer_id,
+                                  heartbeat_s=cfg.transport.heartbeat_s,
                                   peer_timeout_s=cfg.transport.peer_timeout_s,
                                   curve_keys_dir=cfg.transport.curve_keys_dir)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
@@ -179,7 +180,7 @@ def restart_server(cfg: Config, index: int, port: int) -> tuple[Any, str]:
 def rollout_main(cfg: Config) -> None:
     torch.set_num_threads(1)  # this process only does I/O; the servers do the math
     pin_to_pool(cfg, "rollout")  # the controller belongs to the rollout pool, beside its servers
-    Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+    producer_id = claim_side(cfg.run_dir)  # before any server starts: one live side per run directory
     procs: list[Any] = []
     addrs = list(cfg.rollout.server_addrs)
     external = bool(addrs)
@@ -189,6 +190,6 @@ def rollout_main(cfg: Config) -> None:
     if not external:
         procs, addrs = start_servers(cfg)
     try:
-        asyncio.run(_run(cfg, addrs, external, procs))
+        asyncio.run(_run(cfg, addrs, external, procs, producer_id))
     finally:
         stop_all(procs)

@@ -11,19 +11,59 @@ rollout side killed at any moment therefore loses nothing it produced: the resta
 finds the files and sends them again; the trainer drops (and acknowledges) ids it already
 has, so nothing is trained twice. The outbox belongs to one run: files written for another
 trainer run (`run_id`) are discarded, never sent to the wrong trainer.
+
+A rollout side is its run directory: `claim_side(run_dir)` takes the directory's lock (held
+until the process exits, however it exits) and names the side by host and directory, so a
+restarted side says HELLO under the same producer id and the trainer replaces the dead one's
+session at once instead of waiting `transport.peer_timeout_s` for it. A second live side on
+the same directory would share the outbox: it is refused.
+
+    producer_id = claim_side(cfg.run_dir)     # before connecting to the trainer
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from async_rl.transport.codec import decode, encode
 from async_rl.types import Trajectory, WireFormatError
 
 logger = logging.getLogger(__name__)
+
+
+_held: list = []  # the lock files of the sides this process claimed (open for the process's life)
+
+
+class SideTakenError(RuntimeError):
+    """Another live rollout side uses the same run directory."""
+
+
+def claim_side(run_dir: str | Path) -> str:
+    """Lock `run_dir` for this process's rollout side; its producer id, the same after a restart."""
+    root = Path(run_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    lock = (root / "rollout.lock").open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "?"
+        lock.close()
+        raise SideTakenError(f"run_dir={root}: another rollout side (pid {owner}) uses it and its outbox; give "
+                             "each rollout side its own run_dir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    _held.append(lock)
+    digest = hashlib.sha1(str(root).encode()).hexdigest()[:8]
+    return f"{socket.gethostname()[:40]}-{digest}"
 
 
 class Outbox:

@@ -1,16 +1,18 @@
 """`async-rl run` supervises its processes: kill -9 one mid-run and the run still completes.
 
-Each test starts `async-rl run` on the debug config as a user would, kills one process with
-SIGKILL at a moment read from the run directory (the generation server's pid from servers.json,
-the rollout's and the trainer's from logs/NAME.pid), and checks that the run finishes with
-exit code 0 and every train step, that every step after the kill trained on data, and that
-the restart is recorded in restarts.jsonl and the summary, and that the ledger's audit finds
-nothing lost and nothing trained twice. A component that crashes every time exhausts its
+The tests start `async-rl run` on the debug config as a user would. One kills the generation
+server, the rollout process and the trainer with SIGKILL twice each, in a random order and at
+random moments (pids read where the run writes them: servers.json, logs/NAME.pid), and checks
+that the run finishes with exit code 0 and every train step, that every step trained on data,
+that each restart is recorded in restarts.jsonl and the summary, and that the ledger's audit
+finds nothing lost and nothing trained twice (the seed of the order and the moments is in
+every failure message). A component that crashes every time exhausts its
 budget and fails the run with one line; SIGTERM drains and exits 143.
 """
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -77,83 +79,74 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; whoever reaps it does not matter here
 
 
-def _check_completed(run_dir: Path, proc: subprocess.Popen, out: str, err: str, steps: int, killed_at: int,
-                     component: str) -> None:
-    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}"
-    rows = _rows(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(steps)), [r["step"] for r in rows]
+def _pid(run_dir: Path, component: str) -> int | None:
+    """The current pid of a component, read where the run writes it; None while it is not there."""
+    try:
+        if component.startswith("server"):
+            return json.loads((run_dir / "servers.json").read_text())[int(component[6:])]["pid"]
+        return int((run_dir / "logs" / f"{component}.pid").read_text())
+    except (FileNotFoundError, ValueError, IndexError, KeyError):
+        return None
+
+
+def _check_server_port(run_dir: Path, kills: list[tuple[str, int]], url: str | None) -> None:
+    """A killed server came back on its port (a restarted rollout process starts its servers anew)."""
+    if kills and kills[-1][0] == "server0":
+        assert json.loads((run_dir / "servers.json").read_text())[0]["url"] == url, kills
+
+
+def test_random_kills_of_every_component_within_one_run(tmp_path):
+    """kill -9 the generation server, the rollout process and the trainer twice each, in a random
+    order and at random moments (each once the run has trained a step since the last kill), in one run."""
+    seed = time.time_ns() % 100_000
+    rng = random.Random(seed)
+    plan = ["server0", "rollout", "trainer"] * 2
+    rng.shuffle(plan)
+    steps = 24
+    url = None
+    proc = _start(tmp_path, f"total_steps={steps}", "trainer.checkpoint_every=1")
+    kills: list[tuple[str, int]] = []
+    try:
+        for component in plan:
+            done = len(_rows(tmp_path / "metrics.jsonl")) if not kills else kills[-1][1]
+            _wait_for(lambda: len(_rows(tmp_path / "metrics.jsonl")) > done
+                      and all(_alive(_pid(tmp_path, c) or 0) for c in ("server0", "rollout", "trainer")), proc,
+                      why=f"a step after kills {kills} and every component up (seed {seed}, plan {plan})")
+            _check_server_port(tmp_path, kills, url)
+            assert len(_rows(tmp_path / "metrics.jsonl")) < steps - 2, f"the run outran kills {kills} of {plan}"
+            time.sleep(rng.uniform(0.0, 1.5))
+            url = json.loads((tmp_path / "servers.json").read_text())[0]["url"]
+            pid = _pid(tmp_path, component)
+            _kill(pid)
+            kills.append((component, len(_rows(tmp_path / "metrics.jsonl"))))
+        out, err = _finish(proc, timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    where = f"seed {seed}, kills (component, steps done) {kills}"
+    assert proc.returncode == 0, f"{where}\n{out[-2000:]}\n{err[-3000:]}"
+    rows = _rows(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps)), (where, [r["step"] for r in rows])
     assert rows[-1]["policy_version"] == steps
-    # every step after the restart trained on data (a batch dropped whole is no step)
-    assert all(r["train/num_trajectories"] > 0 for r in rows[killed_at:]), [r["train/num_trajectories"] for r in rows]
-    # the kill is recorded (on a busy machine another component may need a restart too: a health check
-    # that timed out can leave a weight update without a server, and the rollout process then restarts)
-    restarts = [r for r in _rows(run_dir / "restarts.jsonl") if r["counted"] and r["component"] == component]
-    assert len(restarts) == 1 and restarts[0]["cause"] == "killed by SIGKILL", _rows(run_dir / "restarts.jsonl")
-    assert "restarts: " in out and f"{component} 1" in out, out
-    ledger = audit([run_dir])  # nothing produced was lost, nothing trained twice
-    assert not ledger.lost_ids and not ledger.duplicated_ids, ledger.lines()
+    # every step trained on data, those right after a restart included (a batch dropped whole is no step)
+    assert all(r["train/num_trajectories"] > 0 for r in rows), (where, [r["train/num_trajectories"] for r in rows])
+    restarts = _rows(tmp_path / "restarts.jsonl")
+    for component in ("server0", "rollout", "trainer"):
+        killed = [r for r in restarts if r["component"] == component and r["counted"]
+                  and r["cause"] == "killed by SIGKILL"]
+        assert len(killed) == 2, (where, restarts)
+    assert "restarts: " in out, out
+    _check_server_port(tmp_path, kills, url)
+    rollout_log = (tmp_path / "logs" / "rollout.log").read_text()
+    assert "restarted and back in rotation at weight version" in rollout_log, (where, rollout_log[-3000:])
+    assert "joining a run in progress at version" in rollout_log, (where, rollout_log[-3000:])
+    assert (tmp_path / "logs" / "trainer.log").read_text().count("resumed from") == 2, where
     # nothing produced was lost (outbox, rejoin) and nothing trained twice (dedup, rollback on resume)
-    audited = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir)], cwd=ROOT,
+    ledger = audit([tmp_path])
+    assert not ledger.lost_ids and not ledger.duplicated_ids, (where, ledger.lines())
+    audited = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(tmp_path)], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert audited.returncode == 0 and "lost=0 duplicated=0" in audited.stdout, audited.stdout + audited.stderr
-
-
-def test_generation_server_killed_is_restarted_on_its_port(tmp_path):
-    steps = 6
-    proc = _start(tmp_path, f"total_steps={steps}")
-    try:
-        # right after a weight update finished: the next one is a train step away
-        _wait_for(lambda: sum("sync/update_s" in r for r in _rows(tmp_path / "rollout_metrics.jsonl")) >= 2,
-                  proc, why="two weight updates")
-        before = json.loads((tmp_path / "servers.json").read_text())[0]
-        killed_at = len(_rows(tmp_path / "metrics.jsonl"))
-        _kill(before["pid"])
-        out, err = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    _check_completed(tmp_path, proc, out, err, steps, killed_at, "server0")
-    after = json.loads((tmp_path / "servers.json").read_text())[0]
-    assert after["url"] == before["url"] and after["pid"] != before["pid"]
-    log = (tmp_path / "logs" / "rollout.log").read_text()
-    assert "restarted and back in rotation at weight version" in log, log[-3000:]
-    assert not (tmp_path / "logs" / "rollout.error").is_file()  # the rollout process itself never died
-
-
-def test_rollout_process_killed_is_restarted_and_rejoins(tmp_path):
-    steps = 6
-    proc = _start(tmp_path, f"total_steps={steps}")
-    try:
-        _wait_for(lambda: len(_rows(tmp_path / "metrics.jsonl")) >= 2, proc, why="two train steps")
-        first = int((tmp_path / "logs" / "rollout.pid").read_text())
-        killed_at = len(_rows(tmp_path / "metrics.jsonl"))
-        _kill(first)
-        out, err = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    _check_completed(tmp_path, proc, out, err, steps, killed_at, "rollout")
-    assert int((tmp_path / "logs" / "rollout.pid").read_text()) != first
-    assert "joining a run in progress at version" in (tmp_path / "logs" / "rollout.log").read_text()
-
-
-def test_trainer_killed_resumes_from_its_checkpoint(tmp_path):
-    steps = 6
-    proc = _start(tmp_path, f"total_steps={steps}", "trainer.checkpoint_every=1")
-    try:
-        _wait_for(lambda: latest_checkpoint(tmp_path / "checkpoints") is not None
-                  and len(_rows(tmp_path / "metrics.jsonl")) >= 2, proc, why="a checkpoint after two steps")
-        _kill(int((tmp_path / "logs" / "trainer.pid").read_text()))
-        killed_at = len(_rows(tmp_path / "metrics.jsonl"))
-        out, err = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    # the resumed trainer trains again the steps after its checkpoint: rows from the kill on may be redone
-    _check_completed(tmp_path, proc, out, err, steps, min(killed_at, steps) - 1, "trainer")
-    forced = [r["component"] for r in _rows(tmp_path / "restarts.jsonl") if not r["counted"]]
-    assert forced == ["rollout"]  # a fresh rollout side joins the restored trainer
-    assert "resumed from" in (tmp_path / "logs" / "trainer.log").read_text()
 
 
 def test_component_that_keeps_crashing_exhausts_the_budget(tmp_path):

@@ -1,8 +1,13 @@
 """The rollout side's durable outbox: groups survive a restart until acknowledged, and belong to one run."""
 
-import numpy as np
+import os
+import subprocess
+import sys
 
-from async_rl.transport.outbox import Outbox
+import numpy as np
+import pytest
+
+from async_rl.transport.outbox import Outbox, SideTakenError, claim_side
 from async_rl.types import Trajectory, new_id
 
 
@@ -35,3 +40,22 @@ def test_another_runs_outbox_is_discarded_and_a_cut_file_is_dropped(tmp_path):
     (tmp_path / "outbox" / "cut.grp").write_bytes(b"\x93\x01")
     assert len(Outbox(tmp_path / "outbox", "run-b").pending()) == 1
     assert not (tmp_path / "outbox" / "cut.grp").exists()
+
+
+_CLAIM = "import sys, time; from async_rl.transport.outbox import claim_side; print(claim_side(sys.argv[1]), flush=True); time.sleep(60)"
+
+
+def test_a_side_keeps_its_id_across_restarts_and_a_second_live_side_is_refused(tmp_path):
+    first = subprocess.Popen([sys.executable, "-c", _CLAIM, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        side = first.stdout.readline().strip()
+        with pytest.raises(SideTakenError, match=rf"another rollout side \(pid {first.pid}\) uses it"):
+            claim_side(tmp_path)
+    finally:
+        first.kill()  # SIGKILL: the lock goes with the process
+        first.wait()
+    assert claim_side(tmp_path) == side  # the restarted side says HELLO under the same producer id
+    other = tmp_path / "other"
+    again = subprocess.run([sys.executable, "-c", _CLAIM.replace("time.sleep(60)", "pass"), str(other)],
+                           capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert again.returncode == 0 and again.stdout.strip() not in ("", side)  # another directory, another side
