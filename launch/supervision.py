@@ -85,7 +85,9 @@ def restart_lines(run_dir: str | Path) -> list[str]:
     if not rows:
         return []
     per = Counter(r["component"] for r in rows)
-    listed = ", ".join(f"{name} {n}" for name, n in sorted(per.items()))
+    forced = Counter(r["component"] for r in rows if not r.get("counted", True))  # e.g. the rollout side after a trainer restart
+    listed = ", ".join(f"{name} {n}" + (f" ({forced[name]} following another's restart)" if forced[name] else "")
+                       for name, n in sorted(per.items()))
     return [f"restarts: {listed} (causes in {restarts_path(run_dir)})"]
 
 

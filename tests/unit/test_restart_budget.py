@@ -26,6 +26,9 @@ def test_budget_per_component_with_doubling_backoff(tmp_path):
     assert [(r["component"], r["restart"], r["cause"]) for r in rows] == [("server0", n, "killed by SIGKILL")
                                                                          for n in (1, 2, 3)]
     assert restart_lines(tmp_path) == [f"restarts: server0 3 (causes in {tmp_path / 'restarts.jsonl'})"]
+    budget.record("rollout", "the trainer restarts", counted=False)  # forced: no budget spent, named as such
+    assert budget.allow("rollout") and budget.used["rollout"] == 0
+    assert restart_lines(tmp_path)[0].startswith("restarts: rollout 1 (1 following another's restart), server0 3 (")
 
 
 def test_backoff_is_capped_and_a_forced_restart_is_free(tmp_path):
