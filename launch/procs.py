@@ -7,6 +7,7 @@ file) plus an `<name>.error` file the parent reads to report why a child died.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -16,8 +17,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from async_rl.config import Config
 from async_rl.utils.logs import setup_logging
@@ -34,6 +36,34 @@ def one_line(exc: BaseException) -> str:
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def run_async(main: Coroutine[Any, Any, None]) -> None:
+    """`asyncio.run(main)` in a child: SIGTERM cancels `main`, whose own `finally` blocks then close
+    streams and sockets inside the running loop, and the child exits 130 as on KeyboardInterrupt.
+    (The KeyboardInterrupt of `_interrupt`, raised at whatever point the loop was, leaves open
+    HTTP streams to a loop that is shutting down, which logs their tracebacks on the console.)"""
+    async def guarded() -> bool:
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        stopped = []
+
+        def on_sigterm() -> None:
+            stopped.append(True)
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+        try:
+            await main
+        except asyncio.CancelledError:
+            if not stopped:
+                raise
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, _interrupt)
+        return bool(stopped)
+
+    if asyncio.run(guarded()):
+        raise KeyboardInterrupt
 
 
 def _watch_parent(parent: int) -> None:

@@ -9,7 +9,6 @@ requests move to the others; the run fails only when none is left.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -33,7 +32,7 @@ from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.receivers import build_receiver
 from launch.common import effective_threads, pin_to_pool
-from launch.procs import stop_all, with_overrides
+from launch.procs import run_async, stop_all, with_overrides
 from launch.server_keeper import ServerKeeper, write_server_listing
 
 logger = logging.getLogger(__name__)
@@ -190,6 +189,6 @@ def rollout_main(cfg: Config) -> None:
     if not external:
         procs, addrs = start_servers(cfg)
     try:
-        asyncio.run(_run(cfg, addrs, external, procs, producer_id))
+        run_async(_run(cfg, addrs, external, procs, producer_id))
     finally:
         stop_all(procs)

@@ -136,6 +136,7 @@ def test_random_kills_of_every_component_within_one_run(tmp_path):
                   and r["cause"] == "killed by SIGKILL"]
         assert len(killed) == 2, (where, restarts)
     assert "server0 2" in out and "trainer 2" in out, out  # the summary's restarts line
+    assert "Traceback" not in err, err[-3000:]  # stopping the old rollout side for a restarted trainer is quiet
     _check_server_port(tmp_path, kills, url)
     rollout_log = (tmp_path / "logs" / "rollout.log").read_text()
     assert "restarted and back in rotation at weight version" in rollout_log, (where, rollout_log[-3000:])
@@ -172,6 +173,7 @@ def test_sigterm_drains_and_exits_143(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, err[-3000:]
     assert "stopped on SIGTERM after draining" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
     assert not _rows(tmp_path / "restarts.jsonl")  # what stops while draining is not restarted
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
