@@ -6,11 +6,12 @@
 Rank 0 owns the queue, metrics, checkpoints and publishing and hosts a TCPStore at
 master_addr:master_port. The store carries the process group's rendezvous and a command
 channel: every call rank 0 makes on the trainer (`train_step`, `state_dict`,
-`save_checkpoint`, `close`) is first written there as one msgpack frame (trajectories
-travel in their wire form, never pickled), then run locally; each follower reads the
-command, runs the same call, and so joins the same collectives. A follower waits for
-commands without a timeout while rank 0 waits for rollout data, and leaves as soon as
-the store's connection breaks (rank 0 died) or it reads `stop`. Collectives themselves
+`save_checkpoint`, `load_checkpoint`, `close`) is first written there as one msgpack frame
+(trajectories travel in their wire form, never pickled), then run locally; each follower
+reads the command, runs the same call, and so joins the same collectives (so a resume
+loads every rank's shard and the same RNG on every rank). A follower waits for commands
+without a timeout while rank 0 waits for rollout data, and leaves as soon as the store's
+connection breaks (rank 0 died) or it reads `stop`. Collectives themselves
 time out after `transport.peer_timeout_s`, so a rank that dies mid-step fails the others
 instead of hanging them.
 
@@ -99,8 +100,10 @@ class Leader:
         return self.trainer.rng_state()  # every rank draws the same minibatch assignments: rank 0 speaks for all
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        raise NotImplementedError("trainer.resume: a trainer of several ranks cannot resume yet; "
-                                  "resume with trainer.world_size=1")
+        """Every rank loads its shard of the checkpoint (each reads the files: run_dir must be on a
+        file system all ranks see) and restores the same version and RNG; returns the meta."""
+        self._announce("load_checkpoint", path=path)
+        return self.trainer.load_checkpoint(path)
 
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
         self._announce("save_checkpoint", path=path, step=step, extra=extra)
@@ -152,6 +155,7 @@ _COMMANDS: dict[str, Callable[[TrainerBackend, dict[str, Any]], Any]] = {
     "train_step": lambda t, c: t.train_step([[Trajectory.from_wire(x) for x in g] for g in c["groups"]]),
     "state_dict": lambda t, c: t.state_dict(),
     "save_checkpoint": lambda t, c: t.save_checkpoint(c["path"], c["step"], c["extra"]),
+    "load_checkpoint": lambda t, c: t.load_checkpoint(c["path"]),
 }
 
 

@@ -3,6 +3,7 @@
     trainer = build(cfg, RankInfo(rank, world_size, store))   # on every rank; joins the process group
     stats = trainer.train_step(groups)                         # every rank, the same groups
     weights = trainer.state_dict()                             # every rank; full on rank 0, {} elsewhere
+    meta = trainer.load_checkpoint(path)                       # every rank reads its own shard of the files
 
 Each decoder layer is one FSDP unit and the rest (embedding, final norm, the tied LM head)
 is the root unit. The root is a small module whose forward is the whole log-prob
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -37,12 +39,15 @@ from async_rl.config import Config, TrainerConfig
 from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict
+from async_rl.trainer.backends.scatter import load_sharded
 from async_rl.trainer.batching import Batch, token_logprobs
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer, _StatsAccumulator
 from async_rl.utils.hardware import resolve_device
 
 logger = logging.getLogger(__name__)
+
+_GLOO_DRAIN_S = 0.05  # see FSDPTrainer.close
 
 
 class LogprobModel(torch.nn.Module):
@@ -80,12 +85,42 @@ class FSDPTrainer(PPOTrainer):
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        raise NotImplementedError("trainer.resume: the fsdp backend cannot resume yet (load the full weights "
-                                  "into every rank's shard); resume with trainer.backend=single")
+        """Collective: weights, optimizer state, version and RNG of a checkpoint (full tensors, as this
+        backend or the single one writes it); returns its meta.
+
+        Every rank reads the files itself and keeps its own shard (see scatter.py), so the
+        checkpoint must be on a file system every rank sees. Every rank restores the same RNG
+        (all draw the same minibatch split). The ranks then agree: if any could not load, all raise.
+        """
+        error: Exception | None = None
+        meta: dict[str, Any] = {}
+        try:
+            meta = load_sharded(path, self.model.lm, self.optimizer)
+            if "policy_version" not in meta:
+                raise ValueError(f"{path}/meta.json: has no policy_version (not a trainer checkpoint)")
+        except Exception as exc:  # noqa: BLE001 -- whatever it was, the other ranks must not wait for this one
+            error = exc
+        failed = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        failed[self.rank] = int(error is not None)
+        dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+        if error is not None:
+            raise error
+        if bad := [r for r, f in enumerate(failed.tolist()) if f]:
+            raise RuntimeError(f"trainer.resume: trainer rank(s) {bad} could not load checkpoint {path} (see their "
+                               "logs); every rank reads it itself, so run_dir must be on a file system all ranks see")
+        self.policy_version = int(meta["policy_version"])
+        if "rng" in meta:
+            self.set_rng_state(meta["rng"])
+        logger.info("fsdp rank %d/%d: loaded its shard of %s (policy version %d)", self.rank, self.world_size,
+                    path, self.policy_version)
+        return meta
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A gloo worker thread drops a finished collective's tensors only once it holds the GIL; one
+        # still waiting for it when the interpreter exits aborts the process (exit code -6). Let it.
+        time.sleep(_GLOO_DRAIN_S)
 
     # ------------------------------------------------------------------ PPOTrainer seams
     def _logprobs(self, batch: Batch) -> torch.Tensor:
