@@ -10,8 +10,9 @@
   gradients are summed by FSDP's reduce-scatter, so a step equals the single-process step.
 
 A built trainer is SPMD: every rank calls the same methods in the same order (the launch
-layer forwards rank 0's calls to the other ranks). `state_dict()` and `save_checkpoint()`
-are collective; rank 0 gets the full weights, the other ranks an empty dict.
+layer forwards rank 0's calls to the other ranks). `state_dict()`, `save_checkpoint()` and
+`load_checkpoint()` are collective; rank 0 gets the full weights, the other ranks an empty dict;
+on load every rank reads the checkpoint itself and keeps its own shard (backends/scatter.py).
 """
 
 from __future__ import annotations
