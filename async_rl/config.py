@@ -117,6 +117,9 @@ class TrainerConfig:
     behav_weight_cap: float = 5.0  # cap on the behaviour importance weight pi_prox / pi_behav
     minibatches: int = 1  # optimizer steps per train step (each on 1/minibatches of the batch)
     micro_batch_tokens: int = 4096  # token budget of one forward/backward
+    # what one more forward/backward costs, in padded tokens: a batch is cut into more micro-batches
+    # where that saves more padding (a long-tailed batch padded to its longest response wastes most)
+    micro_batch_overhead_tokens: int = 256
     loss: str = "decoupled_ppo"  # policy loss from trainer/loss.py LOSSES: decoupled_ppo | no_behav_correction (ablation)
     adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
     advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores)
@@ -282,7 +285,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.sticky_overload_margin: must be >= 0, got {cfg.rollout.sticky_overload_margin}")
     if cfg.agent.max_user_turns < 0 or cfg.rollout.trace_every < 0:
         raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
-    for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0)):
+    for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
+                     ("trainer.micro_batch_overhead_tokens", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")
     if cfg.supervise.drain_timeout_s <= 0:

@@ -88,13 +88,24 @@ def measure(run_dir: Path, warmup: int) -> dict:
     }
 
 
+def ceiling(sync: dict) -> float | None:
+    """The most overlapping can give on two pools: sync's step over its busier pool's share of it
+    (2x only when generation and training take equally long; the busier pool bounds async)."""
+    if sync["engine_idle_frac"] is None:
+        return None
+    return 1.0 / max(1.0 - sync["trainer_idle_frac"], 1.0 - sync["engine_idle_frac"], 1e-9)
+
+
 def table(results: list[dict]) -> str:
     head = ("| set-up | setting | whole run s | trained traj/s | vs sync | trained tok/s | vs sync | steady traj/s | "
-            "vs sync | generated tok/s | trainer idle | engine idle | interrupted | staleness of arrivals "
+            "vs sync | of ceiling | generated tok/s | trainer idle | engine idle | interrupted | staleness of arrivals "
             "(lag 0,1,..,>eta) | reward last 5 | acc after |")
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 17]
     for r in results:
         base = next(b for b in results if b["setup"] == r["setup"] and b["setting"] == "sync")
+        top = ceiling(base) if r["setup"] == "pools" else None
+        steady = r["trained_traj_per_s"] / base["trained_traj_per_s"]
+        of_top = "" if top is None or r is base else f"{100 * steady / top:.0f}% of {top:.2f}x"
         eng = "n/a" if r["engine_idle_frac"] is None else f"{100 * r['engine_idle_frac']:.0f}%"
         acc = "n/a" if r["acc_after"] is None else f"{r['acc_after']:.2f}"
         lines.append(
@@ -102,7 +113,7 @@ def table(results: list[dict]) -> str:
             f"{r['run_trained_traj_per_s'] / base['run_trained_traj_per_s']:.2f}x | "
             f"{r['run_trained_tokens_per_s']:.0f} | "
             f"{r['run_trained_tokens_per_s'] / base['run_trained_tokens_per_s']:.2f}x | "
-            f"{r['trained_traj_per_s']:.1f} | {r['trained_traj_per_s'] / base['trained_traj_per_s']:.2f}x | "
+            f"{r['trained_traj_per_s']:.1f} | {steady:.2f}x | {of_top} | "
             f"{r['generated_tokens_per_s']:.0f} | "
             f"{100 * r['trainer_idle_frac']:.0f}% | {eng} | {100 * r['interrupted_frac']:.0f}% | "
             f"{r['staleness_hist']} | {r['reward_last']:.2f} | {acc} |")
@@ -144,7 +155,9 @@ def main() -> None:
             "fill included); every run trains total_steps x batch_size trajectories, less those dropped as too "
             f"stale. Steady: steps {args.warmup + 1}..{args.steps - 1} only (at large eta it also consumes the "
             "backlog generated during the warm-up, so it can exceed the 2x ceiling of two pools). Idle: share of "
-            "the steady window the trainer waited for a batch / the engine had nothing to decode. Staleness of "
+            "the steady window the trainer waited for a batch / the engine had nothing to decode. Of ceiling (pools): "
+            "steady async / sync against 1 / (sync's busier pool's share of its step), the most two pools can "
+            "overlap (2x only when generation and training take equally long). Staleness of "
             "arrivals: the lag of each arriving trajectory's oldest token; the last bin (> eta) was dropped.")
     write_results(args.name, text + note, {"results": results, "speedup": summary, "steps": args.steps})
     from async_rl.report import compare_runs

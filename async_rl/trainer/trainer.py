@@ -227,7 +227,8 @@ class PPOTrainer:
         for chunk in np.array_split(order, n):
             sub = [trajs[i] for i in chunk]
             out.append([collate(trajs, adv, [int(chunk[j]) for j in idx]).to(self.device)
-                        for idx in micro_batches(sub, self.cfg.micro_batch_tokens)])
+                        for idx in micro_batches(sub, self.cfg.micro_batch_tokens,
+                                                            self.cfg.micro_batch_overhead_tokens)])
         return out
 
     def _staleness(self, minibatches: list[list[Batch]]) -> dict[str, float]:

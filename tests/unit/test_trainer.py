@@ -131,6 +131,23 @@ def test_micro_batches_cover_everything_within_budget(tok):
     assert [4] in parts  # longer than the budget: alone
 
 
+def test_a_long_tail_is_cut_off_where_that_saves_padding(tok):
+    model = _model(tok)
+    lengths = [8] * 30 + [70] * 2  # a typical batch of sampled lengths: most end early, a few run long
+    trajs = [_traj(model, [3], [4] * (n - 1), reward=0.0, group="g") for n in lengths]
+    padded = lambda parts: sum(len(p) * max(lengths[i] for i in p) for p in parts)  # noqa: E731
+    one = micro_batches(trajs, token_budget=8192, overhead_tokens=10_000)  # one more pass costs more than any padding
+    assert len(one) == 1 and padded(one) == 32 * 70
+    two = micro_batches(trajs, token_budget=8192, overhead_tokens=256)
+    assert sorted(map(sorted, two)) == [list(range(30)), [30, 31]] and padded(two) == 30 * 8 + 2 * 70
+    # within a budget the cut also respects it, and nothing is lost or repeated
+    tight = micro_batches(trajs, token_budget=100, overhead_tokens=256)
+    assert sorted(i for p in tight for i in p) == list(range(32))
+    assert all(len(p) * max(lengths[i] for i in p) <= 100 for p in tight)
+    with pytest.raises(ValueError, match="micro_batch_overhead_tokens"):
+        micro_batches(trajs, token_budget=100, overhead_tokens=-1)
+
+
 # ---------------------------------------------------------------------------------------- trainer
 def _good_bad_groups(tok, model, version):
     """Two prompts, each with two rewarded and two unrewarded answers, sampled at `version`."""
