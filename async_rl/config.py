@@ -80,6 +80,10 @@ class RolloutConfig:
     max_new_tokens: int = 8  # response length limit
     agent: str = "single_turn"  # default agent loop (a sample may name its own)
     max_concurrent: int = 64  # most requests in flight at once
+    # a trajectory the trainer would drop (its first token more than max_staleness versions behind the
+    # weights just loaded) is aborted and started again from its prompt under those weights, instead of
+    # being generated to its end and dropped; false keeps generating it (the trainer drops and counts it)
+    restart_stale: bool = True
     server_addrs: list[str] = field(default_factory=list)  # generation servers started elsewhere; empty = start our own
     num_servers: int = 1  # generation servers to start when server_addrs is empty
     health_interval_s: float = 5.0  # how often each server's health is checked; a failing one leaves rotation

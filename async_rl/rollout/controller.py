@@ -64,6 +64,8 @@ class RolloutController:
         self.groups_pushed = 0
         self.trajectories_pushed = 0
         self.interrupted = 0
+        self.restarted_stale = 0
+        self._attempts: dict[asyncio.Task, int] = {}  # generations in flight -> the version each started under
         self._stop = asyncio.Event()
         self._error: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -85,11 +87,36 @@ class RolloutController:
         # run is reproducible and eta=0 async samples exactly what sync does
         params = dataclasses.replace(self.params, seed=derive_seed(self._seed, sample.id, index))
         async with self.slots:
-            client = PooledGenerationClient(self.pool, sticky=True, acquire_timeout_s=self.cfg.rollout.connect_timeout_s,
-                                            overload_margin=self.cfg.rollout.sticky_overload_margin)
-            agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, client, self.tokenizer,
-                                     self.task.reward, self.agent_context)
-            return as_trajectory(await agent.run(sample, params, group_id=group_id), group_id, sample)
+            while True:  # one attempt, or more when an attempt went too stale to be trained (see _restart_stale)
+                attempt = asyncio.create_task(self._attempt(sample, params, group_id))
+                self._attempts[attempt] = self.gate.version
+                try:
+                    await asyncio.wait({attempt})
+                except asyncio.CancelledError:  # the group itself is cancelled (end of run)
+                    attempt.cancel()
+                    raise
+                finally:
+                    self._attempts.pop(attempt, None)
+                if not attempt.cancelled():
+                    return attempt.result()
+
+    async def _attempt(self, sample: Sample, params: SamplingParams, group_id: str):
+        client = PooledGenerationClient(self.pool, sticky=True, acquire_timeout_s=self.cfg.rollout.connect_timeout_s,
+                                        overload_margin=self.cfg.rollout.sticky_overload_margin)
+        agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, client, self.tokenizer,
+                                 self.task.reward, self.agent_context)
+        return as_trajectory(await agent.run(sample, params, group_id=group_id), group_id, sample)
+
+    def _restart_stale(self, version: int) -> None:
+        """Weights `version` are loaded: a generation that started more than max_staleness versions
+        earlier cannot be trained any more (the trainer is at `version` or later and drops it), so it
+        is aborted and its sample starts again under `version` (the slot and the gate's count stay)."""
+        if not self.cfg.rollout.restart_stale:
+            return
+        for attempt, started in list(self._attempts.items()):
+            if version - started > self.gate.max_staleness and not attempt.done():
+                attempt.cancel()
+                self.restarted_stale += 1
 
     async def _group(self, sample: Sample) -> None:
         group_id = new_id()
@@ -145,10 +172,12 @@ class RolloutController:
             return
         stats = await update_servers(self.pool, self.weights, msg, self.cfg.weight_sync.deadline_s)
         self.gate.set_version(version)
+        self._restart_stale(version)
         if self.periodic_eval is not None:
             self.periodic_eval.maybe_start(version)
         stats.update({"rollout/groups_pushed": self.groups_pushed, "rollout/trajectories_pushed": self.trajectories_pushed,
-                      "rollout/interrupted": self.interrupted, "rollout/in_flight": sum(self.pool.in_flight),
+                      "rollout/interrupted": self.interrupted, "rollout/restarted_stale": self.restarted_stale,
+                      "rollout/in_flight": sum(self.pool.in_flight),
                       **self.gate.stats(), **self.pool.stats()})
         stats.update(await self._engine_metrics())
         logger.info("loaded weights v%d in %.2fs", version, stats["sync/update_s"])
