@@ -45,10 +45,11 @@ def run_async(main: Coroutine[Any, Any, None]) -> None:
     HTTP streams to a loop that is shutting down, which logs their tracebacks on the console.)"""
     async def guarded() -> bool:
         task, loop = asyncio.current_task(), asyncio.get_running_loop()
-        stopped = []
+        stopped = False
 
         def on_sigterm() -> None:
-            stopped.append(True)
+            nonlocal stopped
+            stopped = True
             task.cancel()
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
@@ -60,7 +61,7 @@ def run_async(main: Coroutine[Any, Any, None]) -> None:
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
             signal.signal(signal.SIGTERM, _interrupt)
-        return bool(stopped)
+        return stopped
 
     if asyncio.run(guarded()):
         raise KeyboardInterrupt

@@ -17,8 +17,8 @@ file; with `dist` it stays fenced until the next update loads it), and it rejoin
 rotation. A weight update that arrives meanwhile waits for the restart (in the wrapped
 receiver's `prepare`, at most `rollout.connect_timeout_s`), so the update includes the
 restarted server rather than finding none to load; and an update that finds its only server
-killed mid-load is not fatal (`pool.recovery`): the restart loads that version. A server whose budget is spent stays out
-of rotation: the run goes on while another server is in rotation, as before.
+killed mid-load is not fatal (`pool.recovery`): the restart loads that version. A server whose
+budget is spent stays out of rotation: the run goes on while another server is in rotation.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ checkpointed, so a [tokens, vocab] logits tensor never outlives its chunk (the v
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -96,14 +97,13 @@ def micro_batches(trajs: list[Trajectory], token_budget: int, overhead_tokens: i
         raise ValueError(f"trainer.micro_batch_overhead_tokens: must be >= 0, got {overhead_tokens}")
     order = sorted(range(len(trajs)), key=lambda i: seq_len(trajs[i]))
     lens = [seq_len(trajs[i]) for i in order]
-    best = [0] + [0] * len(lens)  # best[j]: least cost of the first j (sorted) trajectories
+    best = [0.0] + [math.inf] * len(lens)  # best[j]: least cost of the first j (sorted) trajectories
     cut = [0] * (len(lens) + 1)  # where the last micro-batch of that best split starts
     for j in range(1, len(lens) + 1):
-        longest, best[j] = lens[j - 1], -1
-        i = j - 1
+        longest, i = lens[j - 1], j - 1
         while True:  # the last micro-batch is order[i:j]; it grows while it fits the budget
             cost = best[i] + (j - i) * longest + overhead_tokens
-            if best[j] < 0 or cost <= best[j]:
+            if cost <= best[j]:
                 best[j], cut[j] = cost, i
             if i == 0 or (j - i + 1) * longest > token_budget:
                 break
