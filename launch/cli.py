@@ -102,8 +102,10 @@ def _check_standalone(cfg: Config, command: str) -> None:
 
 def _dispatch(command: str, cfg: Config) -> int:
     from launch import procs
-    from launch.common import pin_dtypes
+    from launch.common import check_agents, pin_dtypes
 
+    if command in ("run", "rollout"):
+        check_agents(cfg)
     cfg, lines = pin_dtypes(cfg, command)
     for line in lines:
         print(line, flush=True)

@@ -62,6 +62,16 @@ def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
     return dataclasses.replace(cfg, model=model, trainer=trainer), lines
 
 
+def check_agents(cfg: Config) -> None:
+    """Before any process starts: `agent.modules` import, the tools and interactions YAML load, and
+    every agent loop and interaction the task's samples name is registered. One clear error here,
+    instead of a rollout process that fails after loading its model and is restarted in vain."""
+    from async_rl.agent import build_agent_context, check_agent_names
+    from async_rl.tasks import build_task
+
+    check_agent_names(build_agent_context(cfg.agent), cfg.rollout.agent, build_task(cfg.task).names_used())
+
+
 def pin_to_pool(cfg: Config, role: str) -> list[int]:
     """Pin this process to its side's pool of CPUs (`cores.engine` for the rollout side's processes,
     `cores.trainer` for the trainer's), if one is configured; return the pool."""

@@ -66,6 +66,23 @@ def build_agent_context(agent_cfg: Any, trace: Callable[[dict[str, Any]], None] 
                         tool_parser=build_tool_parser(agent_cfg.tool_parser), trace=trace)
 
 
+def check_agent_names(context: AgentContext, default_agent: str, used: dict[str, list[str]]) -> None:
+    """Every agent loop and interaction a run's samples can name exists: `default_agent` is
+    `rollout.agent`, `used` the task's `names_used()`. The error names the config key."""
+    for key, names in (("rollout.agent", [default_agent]), ("task.agents", used.get("agents", []))):
+        unknown = [n for n in names if n not in AGENT_LOOPS]
+        if unknown:
+            raise ValueError(f"{key}: unknown agent loop {', '.join(map(repr, unknown))}; registered: "
+                             f"{', '.join(sorted(AGENT_LOOPS))} (a loop of your own registers itself when "
+                             "agent.modules imports its module)")
+    unknown = [n for n in used.get("interactions", []) if n not in context.interactions]
+    if unknown:
+        source = getattr(context.config, "interactions_config", "")
+        raise ValueError(f"task.interactions: unknown interaction {', '.join(map(repr, unknown))}; configured: "
+                         f"{', '.join(sorted(context.interactions)) or 'none'} "
+                         f"(agent.interactions_config{'=' + source if source else ' is unset'})")
+
+
 class AgentLoop(abc.ABC):
     """One episode of interaction; subclasses implement `run`."""
 

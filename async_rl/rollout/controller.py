@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-from async_rl.agent import as_trajectory, build_agent_context, build_agent_loop
+from async_rl.agent import as_trajectory, build_agent_context, build_agent_loop, check_agent_names
 from async_rl.agent.trace import TraceWriter
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
@@ -75,6 +75,8 @@ class RolloutController:
         self.tracer = TraceWriter(Path(cfg.run_dir) / "traces.jsonl", cfg.rollout.trace_every) \
             if cfg.rollout.trace_every > 0 else None
         self.agent_context = build_agent_context(cfg.agent, trace=self.tracer)
+        if hasattr(task, "names_used"):
+            check_agent_names(self.agent_context, cfg.rollout.agent, task.names_used())
         self.periodic_eval: PeriodicEval | None = None
         if cfg.rollout.eval_every > 0:
             self.periodic_eval = PeriodicEval(

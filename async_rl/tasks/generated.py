@@ -6,19 +6,24 @@ from __future__ import annotations
 import abc
 import random
 from collections.abc import Iterator
+from typing import Any
 
 from async_rl.config import TaskConfig
 from async_rl.types import Sample
 
 
-def cycled(names: list[str], i: int, default: str) -> str:
+def cycled(names: list[str], i: int, default: str | None) -> str | None:
     """The i-th name of a list cycled per prompt, or the default when the list is empty."""
     return names[i % len(names)] if names else default
 
 
 class GeneratedTask(abc.ABC):
     """Subclasses implement `_make(rng, sample_id, index)`; training draws from the run's seed, the
-    held-out set from `task.eval_seed`."""
+    held-out set from `task.eval_seed`. A sample names its agent loop (`agent_for`) and, where the
+    task or `task.interactions` names one, its simulated user (`interaction_for`)."""
+
+    default_agent: str | None = None  # None: the run's `rollout.agent`
+    default_interaction: str | None = None  # None: no simulated user unless `task.interactions` names one
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
@@ -37,3 +42,18 @@ class GeneratedTask(abc.ABC):
     def eval_samples(self) -> list[Sample]:
         rng = random.Random(self.cfg.eval_seed)
         return [self._make(rng, f"eval-{i}", i) for i in range(self.cfg.eval_size)]
+
+    def agent_for(self, i: int) -> str | None:
+        return cycled(self.cfg.agents, i, self.default_agent)
+
+    def interaction_for(self, i: int, **kwargs: Any) -> dict[str, Any]:
+        """The sample-info entries naming the i-th prompt's interaction and its kwargs ({} = none)."""
+        name = cycled(self.cfg.interactions, i, self.default_interaction)
+        return {"interaction": name, "interaction_kwargs": kwargs} if name else {}
+
+    def names_used(self) -> dict[str, list[str]]:
+        """The agent loops and interactions this task's samples name, by the config key that chose them
+        (checked against the registries before a run starts)."""
+        agents = list(self.cfg.agents) or [a for a in [self.default_agent] if a]
+        interactions = list(self.cfg.interactions) or [n for n in [self.default_interaction] if n]
+        return {"agents": agents, "interactions": interactions}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 
 from async_rl.config import TaskConfig
-from async_rl.tasks.generated import GeneratedTask, cycled
+from async_rl.tasks.generated import GeneratedTask
 from async_rl.types import Sample
 
 OPENING = "say {text}"
@@ -41,10 +41,8 @@ class InteractionDebugTask(GeneratedTask):
 
     def _make(self, rng: random.Random, idx: str, i: int) -> Sample:
         text = str(rng.randint(self.cfg.min_operand, self.cfg.max_operand))
-        info = {"interaction": cycled(self.cfg.interactions, i, self.default_interaction),
-                "interaction_kwargs": {"text": text, "answer": text}}
         return Sample(id=idx, messages=[{"role": "user", "content": OPENING.format(text=text)}], answer=text,
-                      agent=cycled(self.cfg.agents, i, self.default_agent), info=info)
+                      agent=self.agent_for(i), info=self.interaction_for(i, text=text, answer=text))
 
     def reward(self, sample: Sample, response_text: str) -> float:
         return 1.0 if response_text.strip() == sample.answer else 0.0

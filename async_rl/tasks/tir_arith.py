@@ -24,7 +24,7 @@ import random
 
 from async_rl.config import TaskConfig
 from async_rl.rewards.math import exact_number_reward
-from async_rl.tasks.generated import GeneratedTask, cycled
+from async_rl.tasks.generated import GeneratedTask
 from async_rl.types import Sample
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -64,10 +64,11 @@ class TirArithTask(GeneratedTask):
         a = rng.randint(self.cfg.min_operand, self.cfg.max_operand)
         b = rng.randint(self.cfg.min_operand, self.cfg.max_operand)
         op = rng.choice(self.cfg.ops)
+        answer = str(_OPS[op](a, b))
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, *[dict(m) for m in EXAMPLE],
                     {"role": "user", "content": QUESTION.format(a=a, op=op, b=b)}]
-        return Sample(id=idx, messages=messages, answer=str(_OPS[op](a, b)),
-                      agent=cycled(self.cfg.agents, i, self.default_agent), info={"a": a, "b": b, "op": op})
+        return Sample(id=idx, messages=messages, answer=answer, agent=self.agent_for(i),
+                      info={"a": a, "b": b, "op": op, **self.interaction_for(i, answer=answer)})
 
     def reward(self, sample: Sample, response_text: str) -> float:
         return exact_number_reward(response_text, sample.answer, self.cfg.answer_pick)

@@ -106,7 +106,8 @@ def hf_exporter(model_config: Any, tokenizer: Any) -> Callable[[Path], None]:
     dtype of the saved weights) and the tokenizer."""
     def export(directory: Path) -> None:
         config = copy.deepcopy(model_config)
-        config.torch_dtype = "float32"
+        # transformers >= 4.56 calls the field `dtype` (and warns on `torch_dtype`); older ones `torch_dtype`
+        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", "float32")
         config.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
     return export

@@ -35,6 +35,25 @@ def test_config_mistakes(args, needle, tmp_path):
     assert_one_line_error(cli(*args, f"run_dir={tmp_path}" if "nope" not in args[2] else "x=1"), needle)
 
 
+AGENTIC = str(ROOT / "configs" / "interaction_debug.yaml")
+
+
+@pytest.mark.parametrize("command", ["run", "rollout"])
+@pytest.mark.parametrize("override,needle", [
+    ("rollout.agent=nope", "rollout.agent: unknown agent loop 'nope'; registered: single_turn, tool_agent"),
+    ("task.agents=[tool_agent,nope]", "task.agents: unknown agent loop 'nope'"),
+    ("task.interactions=[echo_user,nope]", "task.interactions: unknown interaction 'nope'; configured: arith_user, "
+                                           "echo_user (agent.interactions_config=configs/interactions/default.yaml)"),
+    ("agent.modules=[no_such_module]", "agent.modules: cannot import 'no_such_module'"),
+    ("agent.tools_config=/no/tools.yaml", "agent.tools_config: file not found: /no/tools.yaml"),
+])
+def test_agent_mistakes_stop_before_any_process_starts(command, override, needle, tmp_path):
+    res = cli(command, "--config", AGENTIC, f"run_dir={tmp_path}", "transport.addr=tcp://127.0.0.1:9", override,
+              timeout=60)
+    assert_one_line_error(res, needle)
+    assert not (tmp_path / "logs" / "rollout.log").exists()  # refused in the launcher, no rollout process ran
+
+
 def test_unreachable_generation_server(tmp_path):
     res = cli("rollout", "--config", DEBUG, f"run_dir={tmp_path}", "transport.addr=tcp://127.0.0.1:9",
               "rollout.server_addrs=[http://127.0.0.1:9]", "rollout.connect_timeout_s=2")

@@ -49,3 +49,27 @@ def test_first_number_pick():
     task = build_task(TaskConfig(answer_pick="first"))
     s = task.eval_samples()[0]
     assert task.reward(s, s.answer + "+9") == 1.0
+
+
+@pytest.mark.parametrize("name", ["arith", "tir_arith", "interaction_debug"])
+def test_every_task_names_agents_and_interactions_cycled_per_prompt(name):
+    lo, hi = (0, 9) if name == "interaction_debug" else (11, 99)
+    plain = build_task(TaskConfig(name=name, min_operand=lo, max_operand=hi))
+    named = build_task(TaskConfig(name=name, min_operand=lo, max_operand=hi, agents=["a", "b", "c"],
+                                  interactions=["arith_user", "echo_user"]))
+    base = [s for s, _ in zip(plain.train_samples(3), range(6))]
+    samples = [s for s, _ in zip(named.train_samples(3), range(6))]
+    assert [s.agent for s in samples] == ["a", "b", "c", "a", "b", "c"]
+    assert [s.info["interaction"] for s in samples] == ["arith_user", "echo_user"] * 3
+    for s, b in zip(samples, base):  # naming changes nothing else: the same problems from the same seed
+        assert (s.prompt, s.messages, s.answer) == (b.prompt, b.messages, b.answer)
+        assert s.info["interaction_kwargs"]["answer"] == s.answer
+    assert named.names_used() == {"agents": ["a", "b", "c"], "interactions": ["arith_user", "echo_user"]}
+
+
+def test_names_used_falls_back_to_the_task_defaults():
+    assert build_task(TaskConfig(name="arith")).names_used() == {"agents": [], "interactions": []}
+    assert build_task(TaskConfig(name="interaction_debug", min_operand=0, max_operand=9)).names_used() == \
+        {"agents": ["tool_agent"], "interactions": ["echo_user"]}
+    sample = next(build_task(TaskConfig(name="arith")).train_samples(0))
+    assert sample.agent is None and "interaction" not in sample.info  # rollout.agent, no simulated user
