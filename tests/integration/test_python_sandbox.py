@@ -3,20 +3,23 @@ a tool error naming the cause, and the next call still works; output, scratch, c
 and YAML configuration behave as documented.
 
 The tool is built from a tools YAML (short limits), with a "run directory" holding a
-secret as protected dir. The isolation is whatever this machine supports (namespaces via
-`unshare` where allowed, else the audit-hook fallback); a second tool forces the fallback
-so both modes are exercised wherever namespaces work.
+secret as protected dir. The main tests run under `isolation: auto` (bubblewrap where
+installed, else namespaces via `unshare` where allowed, else the audit-hook fallback) and
+again under `unshare` where auto chose bubblewrap; a second tool forces the fallback so the
+weaker mode is exercised wherever namespaces work.
 """
 
 import asyncio
 import os
 import socket
+import sys
 import threading
 import time
 
 import pytest
 
 from async_rl.agent.tools import load_tools
+from async_rl.agent.tools.isolation import detect_isolation
 from async_rl.agent.tools.python_sandbox import PythonTool
 
 SECRET = "s3cret-token-7f1c"
@@ -72,11 +75,13 @@ def _build(tmp, isolation):
     return tools["python"]
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
+@pytest.fixture(scope="module", params=["auto", "unshare"])
+def env(request, tmp_path_factory):
+    if request.param != "auto" and detect_isolation("auto", sys.executable).name in (request.param, "audit"):
+        pytest.skip(f"isolation: auto is {request.param} here, or namespaces are not allowed")
     tmp = tmp_path_factory.mktemp("sandbox")
     os.chmod(tmp, 0o755)
-    tool = _build(tmp, "auto")
+    tool = _build(tmp, request.param)
     server = TcpServer()
     yield tool, tmp, server
     server.close()
@@ -122,11 +127,13 @@ def test_network_is_refused(env):
     assert_refused(tool, connect, "network access is disabled", "Network is unreachable")
     assert_refused(tool, "import socket\nprint(socket.getaddrinfo('example.com', 443))",
                    "network access is disabled", "Temporary failure", "Name or service not known")
-    if tool.isolation.namespaces:  # a child process has no audit hook: the empty net namespace stops it
+    if tool.isolation.namespaces:  # a child process has no audit hook: the net namespace's own loopback stops it
         child = ("import subprocess, sys\nr = subprocess.run([sys.executable, '-c', " + repr(connect) + "], "
                  "capture_output=True, text=True)\nprint(r.returncode, r.stderr.strip().splitlines()[-1])")
         result = run(tool, child)
-        assert "Network is unreachable" in result.text and "connected" not in result.text, result.text
+        assert "connected" not in result.text, result.text
+        assert ("Network is unreachable" if tool.isolation.name == "unshare" else "Connection refused") \
+            in result.text, result.text
     assert server.accepted == 0
 
 
@@ -206,7 +213,7 @@ def test_yaml_configures_the_limits(env):
     assert isinstance(tool, PythonTool)
     c = tool.cfg
     assert (c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_chars) == (3, 1, 512, 16, 600)
-    assert c.scratch_root == str(tmp / "scratch_auto") and c.protected_dirs == [str(tmp / "run")]
+    assert c.scratch_root == str(tmp / f"scratch_{c.isolation}") and c.protected_dirs == [str(tmp / "run")]
     # 512 MB of address space: 300 MB fits, 700 MB does not
     assert not run(tool, "x = bytearray(300 * 2**20)\nprint('ok')").error
     assert "memory_mb=512" in run(tool, "x = bytearray(700 * 2**20)").text
@@ -239,3 +246,21 @@ def test_fallback_mode_refuses_too(fallback, code, causes):
     secret = os.path.join(fallback.cfg.protected_dirs[0], "secret.txt")
     assert_refused(fallback, f"print(open({secret!r}).read())", "protected directory")
     assert not os.path.exists("/tmp/async_rl_sandbox_escape")
+
+
+def test_the_code_runs_as_a_throw_away_uid_without_capabilities(env):
+    tool = env[0]
+    if not tool.drops_uid:
+        pytest.skip("not root: the code runs in a nested user namespace instead")
+    result = run(tool, "import os\nstatus = open('/proc/self/status').read()\n"
+                       "print(os.getuid(), status.split('CapEff:')[1].split()[0])")
+    uid, cap_eff = result.text.split()
+    assert int(uid) >= 10**9 and int(cap_eff, 16) == 0, result.text
+
+
+def test_auto_prefers_bubblewrap_where_it_works():
+    from async_rl.agent.tools.isolation import ISOLATIONS, _probe
+
+    if _probe(ISOLATIONS["bwrap"], sys.executable) is not None:
+        pytest.skip("bubblewrap is not installed or cannot run here")
+    assert list(ISOLATIONS)[0] == "bwrap" and detect_isolation("auto", sys.executable).name == "bwrap"

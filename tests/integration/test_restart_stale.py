@@ -1,8 +1,8 @@
 """A generation that went too stale to be trained starts again instead of running on (rollout.restart_stale).
 
 The real rollout controller drives a real server (the debug config's tiny model, every
-response forced to 56 tokens) while the test sends weight updates faster than a group can
-finish. With max_staleness=1, a generation begun under version v can no longer be trained
+response forced to LENGTH tokens) while the test sends weight updates faster than a group can
+finish (responses are long enough for that even on one thread, where an update is slowest). With max_staleness=1, a generation begun under version v can no longer be trained
 once v+2 is loaded: with `restart_stale` it is cancelled and begun again under v+2, so every
 group it pushes is trainable when pushed; without, the stale ones run to their end.
 """
@@ -23,13 +23,15 @@ from launch.serve import BackgroundServer
 from tests.e2e.test_run import DEBUG
 
 ETA = 1
+LENGTH = 200
 
 
 @pytest.fixture
 def setup(tmp_path):
     tmp = tmp_path  # a fresh server each test: its weight version starts at 0
     cfg = load_config(DEBUG, [f"run_dir={tmp}", "model.dtype=float32", "mode=async", f"max_staleness={ETA}",
-                              "trainer.batch_size=4", "rollout.group_size=2", "rollout.max_new_tokens=56",
+                              "trainer.batch_size=4", "rollout.group_size=2", f"rollout.max_new_tokens={LENGTH}",
+                              f"model.max_position={LENGTH + 16}",
                               "rollout.eval_every=0", "log.level=WARNING"])
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model)
@@ -86,7 +88,7 @@ def test_a_generation_too_stale_to_train_starts_again_under_the_new_weights(setu
     assert pushed, "no group was pushed"
     for version, group in pushed:  # trainable when pushed: the trainer is at `version` or later
         assert all(version - t.oldest_version() <= ETA for t in group), [(version, t.oldest_version()) for t in group]
-        assert all(len(t.response_ids) == 56 for t in group)  # a restarted one is whole, not cut
+        assert all(len(t.response_ids) == LENGTH for t in group)  # a restarted one is whole, not cut
 
 
 def test_without_restart_the_stale_ones_run_to_their_end(setup):

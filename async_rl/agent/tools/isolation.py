@@ -1,12 +1,19 @@
 """How the `python` tool confines its child: the isolation modes, and which one this machine
-supports (probed once per process and interpreter, and logged once).
+supports (probed once per process and interpreter, and logged once). `isolation: auto` takes
+the first that works, in this order:
 
-- `unshare` (preferred): util-linux `unshare` gives the runner new net, mount and pid
-  namespaces (plus a user namespace when not root). The net namespace has only a loopback
-  device, down, so even localhost is unreachable; protected dirs are hidden under empty
-  tmpfs; every mount is read-only but the scratch dir; the pid namespace ends with the
-  runner. Not root: a nested user namespace drops the capabilities. Root: the code runs
-  as a throw-away uid, so RLIMIT_NPROC applies.
+- `bwrap`: bubblewrap, where installed, builds the child's world: the host file system
+  read-only, the episode's scratch directory the one writable place, protected dirs under
+  empty unreadable tmpfs, a minimal read-only /dev, its own /proc, and new net, pid, ipc and
+  uts namespaces (the net namespace has only loopback, so the host's localhost is
+  unreachable). As root every capability but setuid/setgid is dropped, and the runner uses
+  those two to become a throw-away uid (so RLIMIT_NPROC applies); directories that uid could
+  not enter are re-exposed by bubblewrap itself.
+- `unshare`: util-linux `unshare` gives the runner new net, mount and pid namespaces (plus a
+  user namespace when not root). The net namespace has only a loopback device, down; the
+  runner itself hides protected dirs under empty tmpfs and remounts every mount read-only
+  but the scratch dir; the pid namespace ends with the runner. Not root: a nested user
+  namespace drops the capabilities. Root: the code runs as a throw-away uid.
 - `audit` (fallback, weaker): no namespaces. An audit hook in the child refuses sockets,
   opens under protected dirs, writes outside scratch, and new programs (exec, subprocess)
   and ctypes, which would escape it. Pure-Python code is held; native code (an extension
@@ -14,7 +21,8 @@ supports (probed once per process and interpreter, and logged once).
   is used when the interpreter and scratch are reachable by other users, else the code
   keeps root's uid, which RLIMIT_NPROC does not limit, and the hook refuses fork too.
 
-The audit hook runs in both modes as a second layer.
+The audit hook runs in every mode as a second layer, and rlimits (CPU, address space, file
+size, processes) in every mode.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from async_rl.agent.tools.sandbox_process import RUNNER_PATH
 from async_rl.agent.tools.sandbox_runner import closed_ancestor
@@ -37,47 +46,103 @@ logger = logging.getLogger(__name__)
 UID_RANGE = (1_000_000_000, 2_000_000_000)  # throw-away uids: far from real users and subuid ranges
 
 
-@dataclass(frozen=True, slots=True)
 class Isolation:
-    """One way to confine the runner."""
+    """The fallback: the runner alone, held by its audit hook (strict) and rlimits."""
 
-    name: str
-    namespaces: bool  # net/mount/pid namespaces through util-linux `unshare`
-    strict: bool  # the audit hook also refuses exec, subprocess and ctypes
-    summary: str
+    name = "audit"
+    program: str | None = None  # the executable the runner is started under (None: none)
+    runner_mounts = False  # the runner itself hides dirs and makes mounts read-only (its own mount namespace)
+    strict = True  # the audit hook also refuses exec, subprocess and ctypes
+    summary = ("FALLBACK, weaker: no namespaces; an audit hook refuses sockets, protected reads, writes outside "
+               "scratch, exec/subprocess/ctypes; rlimits")
 
-    def prefix(self) -> list[str]:
-        """The command that starts the runner in this mode (before the interpreter)."""
-        if not self.namespaces:
-            return []
-        user = ["--user", "--map-root-user"] if os.geteuid() != 0 else []
-        return [shutil.which("unshare") or "unshare", *user, "--net", "--mount", "--pid", "--fork",
-                "--kill-child", "--mount-proc", "--propagation", "private"]
+    @property
+    def namespaces(self) -> bool:
+        """Kernel namespaces confine the code (not only the audit hook): a child process is held too."""
+        return self.program is not None
+
+    def missing(self) -> str | None:
+        """Why this mode cannot be used here before trying it (a program not installed), else None."""
+        return f"`{self.program}` is not installed" if self.program and not shutil.which(self.program) else None
+
+    def prefix(self, settings: dict[str, Any]) -> list[str]:
+        """The command that starts the runner with these settings (before the interpreter)."""
+        return []
 
     def runner_flags(self) -> dict[str, bool]:
-        return {"namespaces": self.namespaces, "userns": self.namespaces and os.geteuid() != 0,
+        return {"namespaces": self.runner_mounts, "userns": self.namespaces and os.geteuid() != 0,
                 "strict": self.strict}
 
     def drops_uid(self, needed: list[str]) -> bool:
         """Whether the code runs as a throw-away uid: only as root (RLIMIT_NPROC never limits root),
         and without a mount namespace only if that uid can still reach every `needed` directory
-        (with one, the runner re-exposes them)."""
+        (with one, the mode re-exposes them)."""
         return os.geteuid() == 0 and (self.namespaces or not any(closed_ancestor(p) for p in needed))
+
+
+class UnshareIsolation(Isolation):
+    name, program, runner_mounts, strict = "unshare", "unshare", True, False
+    summary = ("net+mount+pid namespaces (util-linux unshare), read-only file system but scratch, protected dirs "
+               "hidden, rlimits, audit hook")
+
+    def prefix(self, settings: dict[str, Any]) -> list[str]:
+        user = ["--user", "--map-root-user"] if os.geteuid() != 0 else []
+        return [shutil.which("unshare") or "unshare", *user, "--net", "--mount", "--pid", "--fork", "--kill-child",
+                "--mount-proc", "--propagation", "private"]
+
+
+class BwrapIsolation(Isolation):
+    name, program, runner_mounts, strict = "bwrap", "bwrap", False, False
+    summary = ("bubblewrap: read-only host file system but scratch, protected dirs hidden, net+pid+ipc+uts "
+               "namespaces, capabilities dropped, rlimits, audit hook")
+
+    def prefix(self, settings: dict[str, Any]) -> list[str]:
+        args = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--remount-ro", "/dev",
+                "--proc", "/proc", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+                "--die-with-parent"]
+        if os.geteuid() == 0:  # the runner needs setuid/setgid once, to become its throw-away uid
+            args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        for d in settings["protected"]:
+            if os.path.isdir(d):
+                args += ["--perms", "0000", "--tmpfs", d, "--remount-ro", d]
+        tops: list[str] = []
+        if settings["uid"] is not None:
+            tops, reach = self._reach(settings["expose"], settings["scratch"])
+            args += reach
+        args += ["--bind", settings["scratch"], settings["scratch"]]
+        return [*args, *(a for top in tops for a in ("--remount-ro", top))]  # once all mount points exist
+
+    @staticmethod
+    def _reach(expose: list[str], scratch: str) -> tuple[list[str], list[str]]:
+        """A directory the throw-away uid could not enter becomes an empty tmpfs holding only what the
+        code needs (the Python installation read-only, its scratch), with a path it may walk down.
+        Returns those directories and the arguments that make them."""
+        targets = [(p, closed_ancestor(p)) for p in expose if os.path.isdir(p)]
+        targets.append((scratch, closed_ancestor(os.path.dirname(scratch))))
+        targets = [(p, top) for p, top in targets if top]
+        args: list[str] = []
+        for top in sorted({top for _, top in targets}):
+            args += ["--perms", "0755", "--tmpfs", top]
+        made: set[str] = set()
+        for p, top in targets:
+            d = top
+            for part in Path(p).relative_to(top).parts[:-1]:  # bwrap would make these 0700: root's alone
+                d = os.path.join(d, part)
+                if d not in made:
+                    made.add(d)
+                    args += ["--perms", "0711", "--dir", d]
+            if p != scratch:
+                args += ["--ro-bind", p, p]
+        return sorted({top for _, top in targets}), args
+
+
+ISOLATIONS: dict[str, Isolation] = {iso.name: iso for iso in  # tried in this order by isolation: auto
+                                    (BwrapIsolation(), UnshareIsolation(), Isolation())}
 
 
 def new_uid() -> int:
     """A throw-away uid for one episode's code."""
     return UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
-
-
-ISOLATIONS: dict[str, Isolation] = {  # tried in this order by isolation: auto
-    "unshare": Isolation("unshare", namespaces=True, strict=False,
-                         summary="net+mount+pid namespaces (util-linux unshare), read-only file system but scratch, "
-                                 "protected dirs hidden, rlimits, audit hook"),
-    "audit": Isolation("audit", namespaces=False, strict=True,
-                       summary="FALLBACK, weaker: no namespaces; an audit hook refuses sockets, protected reads, "
-                               "writes outside scratch, exec/subprocess/ctypes; rlimits"),
-}
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,8 +164,8 @@ def python_paths(python: str) -> list[str]:
 
 def _probe(iso: Isolation, python: str) -> str | None:
     """Run trivial code in this mode; None when it works, else why not."""
-    if iso.namespaces and not shutil.which("unshare"):
-        return "util-linux `unshare` is not installed"
+    if (why := iso.missing()) is not None:
+        return why
     with tempfile.TemporaryDirectory(prefix="async_rl_probe_") as tmp:
         os.chmod(tmp, 0o711)
         scratch, protected = os.path.join(tmp, "scratch"), os.path.join(tmp, "protected")
@@ -112,7 +177,7 @@ def _probe(iso: Isolation, python: str) -> str | None:
         settings = {"scratch": os.path.realpath(scratch), "protected": [os.path.realpath(protected)],
                     "expose": python_paths(python), "uid": uid, "cpu_s": 10, "memory_bytes": 2**30,
                     "file_bytes": 2**20, "max_processes": 16, **iso.runner_flags()}
-        argv = [*iso.prefix(), python, "-I", "-B", RUNNER_PATH, json.dumps(settings)]
+        argv = [*iso.prefix(settings), python, "-I", "-B", RUNNER_PATH, json.dumps(settings)]
         try:
             done = subprocess.run(argv, input="import json, os\nprint('ok')\n", capture_output=True, text=True,
                                   timeout=60, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})

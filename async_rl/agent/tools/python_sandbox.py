@@ -1,10 +1,10 @@
 """The `python` tool: run model-written Python in a separate, confined process.
 
 Each call starts `sandbox_runner.py` under the isolation chosen once per process (see
-`ISOLATIONS`): Linux namespaces through util-linux `unshare` (no network, private mounts
-with only the episode's scratch directory writable and the protected directories hidden,
-own pid space) when the machine allows, else a documented weaker fallback (an audit hook
-in the child). In every mode: rlimits on CPU, address space, file size and processes, a
+`ISOLATIONS`): bubblewrap where installed, else Linux namespaces through util-linux
+`unshare` (either way: no network, the host file system read-only with only the episode's
+scratch directory writable and the protected directories hidden, own pid space) when the
+machine allows, else a documented weaker fallback (an audit hook in the child). In every mode: rlimits on CPU, address space, file size and processes, a
 wall-clock kill of the whole process group, capped output, and every failure returned
 to the model as `ToolResult(error=True)` naming the cause. Calls run as asyncio
 subprocesses, so many episodes share one event loop.
@@ -148,8 +148,8 @@ class PythonTool(BaseTool):
             return ToolResult(error=True, text=f"python: unknown instance {instance_id!r} (create() was not called "
                                                "or release() already ran)")
         scratch, uid = self._scratch[instance_id]
-        argv = [*self.isolation.prefix(), self.cfg.python, "-I", "-B", RUNNER_PATH,
-                json.dumps(self._settings(scratch, uid))]
+        settings = self._settings(scratch, uid)
+        argv = [*self.isolation.prefix(settings), self.cfg.python, "-I", "-B", RUNNER_PATH, json.dumps(settings)]
         async with self._slot():
             start = time.monotonic()
             try:

@@ -1,11 +1,11 @@
 """The child side of the `python` tool: confine a process, then run the model's code in it.
 
 Started by `python_sandbox.PythonTool` as `python -I -B sandbox_runner.py '<json settings>'`
-(inside `unshare` net/mount/pid namespaces when the machine allows) with the code on
+(under `bwrap`, or inside `unshare` namespaces, when the machine allows) with the code on
 stdin. Standard library only: it runs apart from the rest of the package.
 
-This process is the supervisor (pid 1 of the pid namespace, so all it leaves dies with
-it). It compiles the code, then in namespace mode hides the protected directories under
+This process is the supervisor (the first process of the pid namespace, so all it leaves
+dies with it). It compiles the code, then under `unshare` hides the protected directories under
 empty read-only tmpfs, re-exposes the Python installation when it sits in a directory the
 throw-away uid could not enter (e.g. /root), and remounts every mount read-only except
 the scratch directory. It then forks the worker, which sets rlimits, drops privileges
@@ -220,9 +220,9 @@ def run_code(compiled) -> int:
 def worker(s: dict, compiled) -> int:
     """The forked process that runs the code (never returns into the supervisor)."""
     try:
-        os.chdir(s["scratch"])
         set_limits(s)
         drop_privileges(s)
+        os.chdir(s["scratch"])  # as the code's uid: under bwrap, root has no capability to enter it
     except (SetupError, OSError) as exc:
         print(f"sandbox setup failed: {exc}", file=sys.stderr)
         return EXIT_SETUP
