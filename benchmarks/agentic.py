@@ -14,7 +14,6 @@ command and the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from async_rl.utils.metrics import read_jsonl  # noqa: E402
 from benchmarks.common import machine, write_results  # noqa: E402
 
 # (column, metrics.jsonl key, format); a key a run does not log shows as "-"
@@ -46,8 +46,7 @@ def run(config: str, steps: int, seed: int, overrides: list[str], run_dir: Path)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"{config} failed:\n{res.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return rows, wall
+    return read_jsonl(run_dir / "metrics.jsonl"), wall
 
 
 def cell(row: dict, key: str, fmt: str) -> str:

@@ -57,30 +57,36 @@ def import_agent_modules(modules: list[str]) -> None:
             raise ValueError(f"agent.modules: cannot import {name!r} ({exc})") from None
 
 
-def build_agent_context(agent_cfg: Any, trace: Callable[[dict[str, Any]], None] | None = None) -> AgentContext:
-    """Tools, interactions and parser of the `agent` config section (errors name the key)."""
+def build_agent_context(agent_cfg: Any, trace: Callable[[dict[str, Any]], None] | None = None,
+                        prepare: bool = True) -> AgentContext:
+    """Tools, interactions and parser of the `agent` config section (errors name the key). With
+    `prepare`, each tool also checks this machine for what its episodes need (`BaseTool.prepare`)."""
     import_agent_modules(list(agent_cfg.modules))
     tools = load_tools(agent_cfg.tools_config) if agent_cfg.tools_config else {}
+    if prepare:
+        for tool in tools.values():
+            tool.prepare()
     interactions = load_interactions(agent_cfg.interactions_config) if agent_cfg.interactions_config else {}
     return AgentContext(config=agent_cfg, tools=tools, interactions=interactions,
                         tool_parser=build_tool_parser(agent_cfg.tool_parser), trace=trace)
 
 
-def check_agent_names(context: AgentContext, default_agent: str, used: dict[str, list[str]]) -> None:
+def check_agent_names(context: AgentContext, default_agent: str, used: dict[str, dict[str, list[str]]]) -> None:
     """Every agent loop and interaction a run's samples can name exists: `default_agent` is
-    `rollout.agent`, `used` the task's `names_used()`. The error names the config key."""
-    for key, names in (("rollout.agent", [default_agent]), ("task.agents", used.get("agents", []))):
+    `rollout.agent`, `used` the task's `names_used()`. The error names what chose the name."""
+    for source, names in {"rollout.agent": [default_agent], **used.get("agents", {})}.items():
         unknown = [n for n in names if n not in AGENT_LOOPS]
         if unknown:
-            raise ValueError(f"{key}: unknown agent loop {', '.join(map(repr, unknown))}; registered: "
+            raise ValueError(f"{source}: unknown agent loop {', '.join(map(repr, unknown))}; registered: "
                              f"{', '.join(sorted(AGENT_LOOPS))} (a loop of your own registers itself when "
                              "agent.modules imports its module)")
-    unknown = [n for n in used.get("interactions", []) if n not in context.interactions]
-    if unknown:
-        source = getattr(context.config, "interactions_config", "")
-        raise ValueError(f"task.interactions: unknown interaction {', '.join(map(repr, unknown))}; configured: "
-                         f"{', '.join(sorted(context.interactions)) or 'none'} "
-                         f"(agent.interactions_config{'=' + source if source else ' is unset'})")
+    for source, names in used.get("interactions", {}).items():
+        unknown = [n for n in names if n not in context.interactions]
+        if unknown:
+            path = getattr(context.config, "interactions_config", "")
+            raise ValueError(f"{source}: unknown interaction {', '.join(map(repr, unknown))}; configured: "
+                             f"{', '.join(sorted(context.interactions)) or 'none'} "
+                             f"(agent.interactions_config{'=' + path if path else ' is unset'})")
 
 
 class AgentLoop(abc.ABC):

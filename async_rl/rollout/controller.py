@@ -75,8 +75,7 @@ class RolloutController:
         self.tracer = TraceWriter(Path(cfg.run_dir) / "traces.jsonl", cfg.rollout.trace_every) \
             if cfg.rollout.trace_every > 0 else None
         self.agent_context = build_agent_context(cfg.agent, trace=self.tracer)
-        if hasattr(task, "names_used"):
-            check_agent_names(self.agent_context, cfg.rollout.agent, task.names_used())
+        check_agent_names(self.agent_context, cfg.rollout.agent, task.names_used())
         self.periodic_eval: PeriodicEval | None = None
         if cfg.rollout.eval_every > 0:
             self.periodic_eval = PeriodicEval(

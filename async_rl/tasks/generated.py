@@ -51,9 +51,13 @@ class GeneratedTask(abc.ABC):
         name = cycled(self.cfg.interactions, i, self.default_interaction)
         return {"interaction": name, "interaction_kwargs": kwargs} if name else {}
 
-    def names_used(self) -> dict[str, list[str]]:
-        """The agent loops and interactions this task's samples name, by the config key that chose them
-        (checked against the registries before a run starts)."""
-        agents = list(self.cfg.agents) or [a for a in [self.default_agent] if a]
-        interactions = list(self.cfg.interactions) or [n for n in [self.default_interaction] if n]
-        return {"agents": agents, "interactions": interactions}
+    def names_used(self) -> dict[str, dict[str, list[str]]]:
+        """The agent loops and interactions this task's samples name, each under what chose it (the
+        config key, or the task's own default), checked against the registries before a run starts:
+        {"agents": {source: names}, "interactions": {source: names}}."""
+        default = f"task.name={self.cfg.name}'s default"
+        used: dict[str, dict[str, list[str]]] = {}
+        for kind, names, fallback in (("agents", self.cfg.agents, self.default_agent),
+                                      ("interactions", self.cfg.interactions, self.default_interaction)):
+            used[kind] = {f"task.{kind}": list(names)} if names else ({default: [fallback]} if fallback else {})
+        return used

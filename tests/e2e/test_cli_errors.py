@@ -46,6 +46,8 @@ AGENTIC = str(ROOT / "configs" / "interaction_debug.yaml")
                                            "echo_user (agent.interactions_config=configs/interactions/default.yaml)"),
     ("agent.modules=[no_such_module]", "agent.modules: cannot import 'no_such_module'"),
     ("agent.tools_config=/no/tools.yaml", "agent.tools_config: file not found: /no/tools.yaml"),
+    ("agent.interactions_config=''", "task.name=interaction_debug's default: unknown interaction 'echo_user'; "
+                                     "configured: none (agent.interactions_config is unset)"),
 ])
 def test_agent_mistakes_stop_before_any_process_starts(command, override, needle, tmp_path):
     res = cli(command, "--config", AGENTIC, f"run_dir={tmp_path}", "transport.addr=tcp://127.0.0.1:9", override,

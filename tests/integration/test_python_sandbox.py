@@ -12,6 +12,7 @@ weaker mode is exercised wherever namespaces work.
 import asyncio
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -264,3 +265,29 @@ def test_auto_prefers_bubblewrap_where_it_works():
     if _probe(ISOLATIONS["bwrap"], sys.executable) is not None:
         pytest.skip("bubblewrap is not installed or cannot run here")
     assert list(ISOLATIONS)[0] == "bwrap" and detect_isolation("auto", sys.executable).name == "bwrap"
+
+
+def test_bwrap_hides_a_protected_dir_inside_a_re_exposed_one(tmp_path):
+    """As root, a directory the code's uid could not enter is re-exposed from the host; a protected
+    directory inside it must stay hidden (bwrap binds from the host tree, so order matters)."""
+    from async_rl.agent.tools.isolation import ISOLATIONS, _probe, new_uid
+
+    iso = ISOLATIONS["bwrap"]
+    if os.geteuid() != 0 or _probe(iso, sys.executable) is not None:
+        pytest.skip("needs root and a working bubblewrap")
+    closed = tmp_path / "closed"
+    (closed / "exposed" / "protected").mkdir(parents=True)
+    closed.chmod(0o700)
+    (closed / "exposed" / "protected" / "secret.txt").write_text(SECRET)
+    (closed / "exposed" / "visible.txt").write_text("visible")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    uid = new_uid()
+    os.chown(scratch, uid, uid)
+    settings = {"scratch": str(scratch), "protected": [str(closed / "exposed" / "protected")],
+                "expose": [str(closed / "exposed")], "uid": uid}
+    shell = (f"cat {closed}/exposed/visible.txt; ls -A {closed}/exposed/protected; "
+             f"cat {closed}/exposed/protected/secret.txt")
+    done = subprocess.run([*iso.prefix(settings), "/bin/sh", "-c", shell], capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith("visible") and SECRET not in done.stdout + done.stderr, (done.stdout, done.stderr)
+    assert "Permission denied" in done.stderr

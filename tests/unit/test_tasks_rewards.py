@@ -64,12 +64,14 @@ def test_every_task_names_agents_and_interactions_cycled_per_prompt(name):
     for s, b in zip(samples, base):  # naming changes nothing else: the same problems from the same seed
         assert (s.prompt, s.messages, s.answer) == (b.prompt, b.messages, b.answer)
         assert s.info["interaction_kwargs"]["answer"] == s.answer
-    assert named.names_used() == {"agents": ["a", "b", "c"], "interactions": ["arith_user", "echo_user"]}
+    assert named.names_used() == {"agents": {"task.agents": ["a", "b", "c"]},
+                                  "interactions": {"task.interactions": ["arith_user", "echo_user"]}}
 
 
 def test_names_used_falls_back_to_the_task_defaults():
-    assert build_task(TaskConfig(name="arith")).names_used() == {"agents": [], "interactions": []}
+    assert build_task(TaskConfig(name="arith")).names_used() == {"agents": {}, "interactions": {}}
     assert build_task(TaskConfig(name="interaction_debug", min_operand=0, max_operand=9)).names_used() == \
-        {"agents": ["tool_agent"], "interactions": ["echo_user"]}
+        {"agents": {"task.name=interaction_debug's default": ["tool_agent"]},
+         "interactions": {"task.name=interaction_debug's default": ["echo_user"]}}
     sample = next(build_task(TaskConfig(name="arith")).train_samples(0))
     assert sample.agent is None and "interaction" not in sample.info  # rollout.agent, no simulated user

@@ -55,6 +55,11 @@ class BaseTool(abc.ABC):
         return {"type": "function",
                 "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
 
+    def prepare(self) -> None:
+        """Check what this tool needs on the machine where its episodes run (an interpreter, an
+        isolation mode), once, before the first episode. A launcher that only checks a config skips
+        it, since episodes may run on another machine."""
+
     async def create(self, instance_id: str, **kwargs: Any) -> str:
         """Make the per-episode state of `instance_id` (kwargs come from the sample's `tools_kwargs`)."""
         return instance_id

@@ -102,14 +102,14 @@ class BwrapIsolation(Isolation):
                 "--die-with-parent"]
         if os.geteuid() == 0:  # the runner needs setuid/setgid once, to become its throw-away uid
             args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-        for d in settings["protected"]:
-            if os.path.isdir(d):
-                args += ["--perms", "0000", "--tmpfs", d, "--remount-ro", d]
         tops: list[str] = []
-        if settings["uid"] is not None:
-            tops, reach = self._reach(settings["expose"], settings["scratch"])
+        if settings["uid"] is not None:  # the runner script must be reachable too: bwrap starts it as root
+            tops, reach = self._reach([*settings["expose"], os.path.dirname(RUNNER_PATH)], settings["scratch"])
             args += reach
         args += ["--bind", settings["scratch"], settings["scratch"]]
+        for d in settings["protected"]:  # after every bind: a bind's source is the host's, never hidden
+            if os.path.isdir(d):
+                args += ["--perms", "0000", "--tmpfs", d, "--remount-ro", d]
         return [*args, *(a for top in tops for a in ("--remount-ro", top))]  # once all mount points exist
 
     @staticmethod

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.agent.tools.base import BaseTool, ToolResult, register_tool
-from async_rl.agent.tools.isolation import Isolation, detect_isolation, new_uid, python_paths
+from async_rl.agent.tools.isolation import ISOLATIONS, Isolation, detect_isolation, new_uid, python_paths
 from async_rl.agent.tools.sandbox_process import RUNNER_PATH, describe_exit, run_sandboxed
 from async_rl.agent.tools.sandbox_runner import inside
 
@@ -63,6 +63,9 @@ class PythonSandboxConfig:
                 raise ValueError(f"python tool config: {key} must be a positive number, got {value!r}")
         if not isinstance(self.protected_dirs, list) or not all(isinstance(d, str) for d in self.protected_dirs):
             raise ValueError(f"python tool config: protected_dirs must be a list of paths, got {self.protected_dirs!r}")
+        if self.isolation != "auto" and self.isolation not in ISOLATIONS:
+            raise ValueError(f"python tool config: isolation must be 'auto' or one of {sorted(ISOLATIONS)}, "
+                             f"got {self.isolation!r}")
         self.cpu_s = max(1, int(self.cpu_s))
         self.scratch_root = os.path.realpath(self.scratch_root or os.path.join(tempfile.gettempdir(),
                                                                                "async_rl_sandbox"))
@@ -93,18 +96,42 @@ class PythonTool(BaseTool):
     def __init__(self, **config: Any):
         super().__init__(**config)
         self.cfg = PythonSandboxConfig(**config)
-        self.expose = python_paths(self.cfg.python)
-        for d in self.cfg.protected_dirs:
-            if any(inside(p, d) for p in self.expose):
-                raise ValueError(f"python tool config: protected dir {d} holds the Python installation "
-                                 f"({self.cfg.python}); the code could not run")
-        self.isolation: Isolation = detect_isolation(self.cfg.isolation, self.cfg.python)
-        self.drops_uid = self.isolation.drops_uid([*self.expose, self.cfg.scratch_root])
-        if os.geteuid() == 0 and not self.drops_uid:
-            logger.warning("python tool: root, no mount namespace, and Python or scratch_root is not reachable by "
-                           "other users: the code keeps root's uid (no process limit; fork is refused instead)")
+        self._host: tuple[list[str], Isolation, bool] | None = None  # see prepare()
         self._scratch: dict[str, tuple[str, int | None]] = {}  # instance id -> (scratch dir, sandbox uid)
         self._slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+
+    def prepare(self) -> None:
+        """Ask the interpreter where it reads from, and pick the isolation mode this machine supports."""
+        if self._host is not None:
+            return
+        expose = python_paths(self.cfg.python)
+        for d in self.cfg.protected_dirs:
+            if any(inside(p, d) for p in expose):
+                raise ValueError(f"python tool config: protected dir {d} holds the Python installation "
+                                 f"({self.cfg.python}); the code could not run")
+        isolation = detect_isolation(self.cfg.isolation, self.cfg.python)
+        drops_uid = isolation.drops_uid([*expose, self.cfg.scratch_root])
+        if os.geteuid() == 0 and not drops_uid:
+            logger.warning("python tool: root, no mount namespace, and Python or scratch_root is not reachable by "
+                           "other users: the code keeps root's uid (no process limit; fork is refused instead)")
+        self._host = (expose, isolation, drops_uid)
+
+    @property
+    def expose(self) -> list[str]:
+        """The directories the interpreter reads from (kept reachable for the code's uid)."""
+        self.prepare()
+        return self._host[0]
+
+    @property
+    def isolation(self) -> Isolation:
+        self.prepare()
+        return self._host[1]
+
+    @property
+    def drops_uid(self) -> bool:
+        """The code runs as a throw-away uid (root only)."""
+        self.prepare()
+        return self._host[2]
 
     def _slot(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()

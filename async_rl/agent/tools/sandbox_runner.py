@@ -4,11 +4,12 @@ Started by `python_sandbox.PythonTool` as `python -I -B sandbox_runner.py '<json
 (under `bwrap`, or inside `unshare` namespaces, when the machine allows) with the code on
 stdin. Standard library only: it runs apart from the rest of the package.
 
-This process is the supervisor (the first process of the pid namespace, so all it leaves
-dies with it). It compiles the code, then under `unshare` hides the protected directories under
-empty read-only tmpfs, re-exposes the Python installation when it sits in a directory the
-throw-away uid could not enter (e.g. /root), and remounts every mount read-only except
-the scratch directory. It then forks the worker, which sets rlimits, drops privileges
+This process is the supervisor: the pid namespace (unshare's, where it is pid 1, or bwrap's)
+ends with it, and with it all the code left. It compiles the code, then under `unshare`
+hides the protected directories under empty read-only tmpfs, re-exposes the Python
+installation when it sits in a directory the throw-away uid could not enter (e.g. /root),
+and remounts every mount read-only except the scratch directory (bwrap does all this
+itself, before the runner starts). It then forks the worker, which sets rlimits, drops privileges
 (a throw-away uid when root, a nested user namespace otherwise), sets no_new_privs,
 installs an audit hook (second layer; the only file/network guard in the fallback mode),
 and execs the code as `__main__` in the scratch directory.
@@ -234,7 +235,7 @@ def worker(s: dict, compiled) -> int:
 
 
 def supervise(child: int) -> int:
-    """Reap everything (as pid 1, orphans come here) until the worker ends; its status."""
+    """Reap children (under unshare, as pid 1, orphans too) until the worker ends; its status."""
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
