@@ -44,6 +44,19 @@ def error_file(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / "logs" / f"{name}.error"
 
 
+def up_file(run_dir: str | Path, name: str) -> Path:
+    """Exists once process `name` of this launch got through its start (see `mark_up`)."""
+    return Path(run_dir) / "logs" / f"{name}.up"
+
+
+def mark_up(run_dir: str | Path, name: str) -> None:
+    """Process `name` is up (model built, queue bound or joined). A process that dies before its
+    first launch got this far failed on what it was given, and the launcher does not restart it."""
+    path = up_file(run_dir, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
 def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
     """Resolve `auto` dtypes once, here, so every local process computes in the same dtype.
 

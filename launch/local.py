@@ -12,6 +12,9 @@ port (launch/server_keeper.py). Supervision (`supervise.*`):
   will train again. Each restart is logged with its cause and appended to
   `run_dir/restarts.jsonl`; the summary counts them. Once a component's budget is spent, the
   next crash stops everything and the run fails with one line saying why (as with 0 restarts).
+- A child that dies before its first start in this launch got through (`launch.common.mark_up`:
+  the trainer's model built and queue bound, the rollout side's servers ready and joined) is
+  not restarted: it failed on its config or the machine, and would fail the same way again.
 - A child that exits 0 is done. A rollout process that crashes after the trainer finished is
   not restarted (nothing would consume its data).
 - SIGTERM to the launcher drains: no more restarts; the trainer gets SIGTERM, finishes its
@@ -37,7 +40,7 @@ from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.utils.ledger import LEDGERS, audit
 from async_rl.utils.metrics import read_jsonl
 from async_rl.trainer.backends import get_backend
-from launch.common import with_free_port
+from launch.common import up_file, with_free_port
 from launch.procs import child_cause, child_error, spawn, stop_all, with_overrides
 from launch.rollout_proc import rollout_main
 from launch.supervision import RESTARTS_FILE, RestartBudget, restart_lines
@@ -124,6 +127,9 @@ class Supervisor:
         if self._trainer_finished():
             self.stop()
             raise RunFailed(error)  # nothing would consume a restarted rollout side's data
+        if not up_file(self.cfg.run_dir, name).exists():  # a bad config or machine: the same again on restart
+            self.stop()
+            raise RunFailed(f"{error}; it failed while starting, so it was not restarted")
         if not self.budget.allow(name):
             self.stop()
             raise RunFailed(self.budget.spent(name, error))
@@ -225,6 +231,8 @@ def run_local(cfg: Config) -> list[str]:
         if not cfg.trainer.resume:  # a resumed run keeps its history (the trainer trims what it redoes)
             (Path(cfg.run_dir) / stale).unlink(missing_ok=True)
     (Path(cfg.run_dir) / RESTARTS_FILE).unlink(missing_ok=True)  # the restart budget is this launch's
+    for name in TARGETS:
+        up_file(cfg.run_dir, name).unlink(missing_ok=True)  # restarted only once up in this launch
     sup = Supervisor(cfg, finish_s=cfg.rollout.connect_timeout_s + 300)
     previous = signal.signal(signal.SIGTERM, sup.on_sigterm)
     try:

@@ -31,7 +31,7 @@ from async_rl.transport.outbox import Outbox, claim_side
 from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.weight_sync.receivers import build_receiver
-from launch.common import effective_threads, pin_to_pool
+from launch.common import effective_threads, mark_up, pin_to_pool
 from launch.procs import run_async, stop_all, with_overrides
 from launch.server_keeper import ServerKeeper, write_server_listing
 
@@ -103,6 +103,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
         # crash before their acknowledgement arrived); the rest can only make the next batch one group
         # fuller, and the trainer's staleness check still holds
         controller.join(queue.trainer_state)
+        mark_up(cfg.run_dir, "rollout")
         if pending:
             logger.info("sending %d groups again that the trainer never acknowledged", len(pending))
             for group in pending:

@@ -30,7 +30,7 @@ from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
 from async_rl.utils.cores import refresh_per_layer
-from launch.common import setup_cores
+from launch.common import mark_up, setup_cores
 from launch.supervision import Drain, DrainRequested
 from launch.trainer_ranks import follower_main, lead, local_followers, rank_threads
 
@@ -137,6 +137,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     (run_dir / "trainer_address").write_text(queue.address)
     queue.run_id = _run_id(run_dir, cfg.trainer.resume)
     start = _resume(cfg, trainer, run_dir, queue) if cfg.trainer.resume else 0
+    mark_up(run_dir, "trainer")
     ledger = Ledger(run_dir / "ledger_trainer.jsonl")  # trained / dropped ids, checked by `async-rl audit`
     queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
     bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,

@@ -56,6 +56,17 @@ def test_agent_mistakes_stop_before_any_process_starts(command, override, needle
     assert not (tmp_path / "logs" / "rollout.log").exists()  # refused in the launcher, no rollout process ran
 
 
+@pytest.mark.parametrize("override,needle", [
+    ("model.name=nope", "trainer: model.name: 'nope' is neither"),
+    ("rollout.server_addrs=[notaurl]", "rollout: rollout.server_addrs: generation server address must start with"),
+])
+def test_a_process_that_fails_while_starting_is_not_restarted(override, needle, tmp_path):
+    res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", override, timeout=90)
+    assert_one_line_error(res, needle)
+    assert "it failed while starting, so it was not restarted" in res.stderr
+    assert not (tmp_path / "restarts.jsonl").exists()
+
+
 def test_unreachable_generation_server(tmp_path):
     res = cli("rollout", "--config", DEBUG, f"run_dir={tmp_path}", "transport.addr=tcp://127.0.0.1:9",
               "rollout.server_addrs=[http://127.0.0.1:9]", "rollout.connect_timeout_s=2")
