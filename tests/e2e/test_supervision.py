@@ -160,8 +160,6 @@ def test_component_that_keeps_crashing_exhausts_the_budget(tmp_path):
         _kill(first)  # restarted: the budget allows one
         _wait_for(lambda: int(pid_file.read_text()) != first and (tmp_path / "restarts.jsonl").is_file(), proc,
                   why="the rollout process restarted")
-        done = steps()
-        _wait_for(lambda: steps() > done, proc, why="a train step after the restart")
         _kill(int(pid_file.read_text()))  # the budget is spent: the run fails, naming why
         out, err = _finish(proc, timeout=200)
     finally:
