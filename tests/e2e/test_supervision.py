@@ -103,7 +103,7 @@ def test_random_kills_of_every_component_within_one_run(tmp_path):
     rng = random.Random(seed)
     plan = ["server0", "rollout", "trainer"] * 2
     rng.shuffle(plan)
-    steps = 24
+    steps = 32  # room for six kills, each after a new step: a run that ends first fails the test
     url = None
     proc = _start(tmp_path, f"total_steps={steps}", "trainer.checkpoint_every=1")
     kills: list[tuple[str, int]] = []
