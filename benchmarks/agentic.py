@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from async_rl.utils.metrics import read_jsonl  # noqa: E402
-from benchmarks.common import machine, write_results  # noqa: E402
+from benchmarks.common import write_results  # noqa: E402
 
 # (column, metrics.jsonl key, format); a key a run does not log shows as "-"
 COLUMNS = [("reward", "train/reward_mean", "{:.3f}"),
@@ -83,7 +83,7 @@ def main() -> None:
     print(text)
     write_results(f"agentic_{args.config}", text, {"config": args.config, "steps": args.steps, "seed": args.seed,
                                                    "overrides": args.overrides, "wall_s": wall, "rows": rows,
-                                                   "thirds": summary, "machine": machine()})
+                                                   "thirds": summary})
 
 
 if __name__ == "__main__":

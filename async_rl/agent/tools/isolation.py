@@ -120,8 +120,9 @@ class BwrapIsolation(Isolation):
         targets = [(p, closed_ancestor(p)) for p in expose if os.path.isdir(p)]
         targets.append((scratch, closed_ancestor(os.path.dirname(scratch))))
         targets = [(p, top) for p, top in targets if top]
+        tops = sorted({top for _, top in targets})
         args: list[str] = []
-        for top in sorted({top for _, top in targets}):
+        for top in tops:
             args += ["--perms", "0755", "--tmpfs", top]
         made: set[str] = set()
         for p, top in targets:
@@ -133,7 +134,7 @@ class BwrapIsolation(Isolation):
                     args += ["--perms", "0711", "--dir", d]
             if p != scratch:
                 args += ["--ro-bind", p, p]
-        return sorted({top for _, top in targets}), args
+        return tops, args
 
 
 ISOLATIONS: dict[str, Isolation] = {iso.name: iso for iso in  # tried in this order by isolation: auto

@@ -4,9 +4,10 @@ Each call starts `sandbox_runner.py` under the isolation chosen once per process
 `ISOLATIONS`): bubblewrap where installed, else Linux namespaces through util-linux
 `unshare` (either way: no network, the host file system read-only with only the episode's
 scratch directory writable and the protected directories hidden, own pid space) when the
-machine allows, else a documented weaker fallback (an audit hook in the child). In every mode: rlimits on CPU, address space, file size and processes, a
-wall-clock kill of the whole process group, capped output, and every failure returned
-to the model as `ToolResult(error=True)` naming the cause. Calls run as asyncio
+machine allows, else a documented weaker fallback (an audit hook in the child). In every
+mode: rlimits on CPU, address space, file size and processes, a wall-clock kill of the
+whole process group, capped output, and every failure returned to the model as
+`ToolResult(error=True)` naming the cause. Calls run as asyncio
 subprocesses, so many episodes share one event loop.
 
     tools:

@@ -9,8 +9,8 @@ ends with it, and with it all the code left. It compiles the code, then under `u
 hides the protected directories under empty read-only tmpfs, re-exposes the Python
 installation when it sits in a directory the throw-away uid could not enter (e.g. /root),
 and remounts every mount read-only except the scratch directory (bwrap does all this
-itself, before the runner starts). It then forks the worker, which sets rlimits, drops privileges
-(a throw-away uid when root, a nested user namespace otherwise), sets no_new_privs,
+itself, before the runner starts). It then forks the worker, which sets rlimits, drops
+privileges (a throw-away uid when root, a nested user namespace otherwise), sets no_new_privs,
 installs an audit hook (second layer; the only file/network guard in the fallback mode),
 and execs the code as `__main__` in the scratch directory.
 
