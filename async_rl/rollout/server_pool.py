@@ -166,9 +166,13 @@ class ServerPool:
                     raise NoServerError(
                         f"no generation server in rotation for {timeout_s:g}s (rollout.connect_timeout_s): "
                         + "; ".join(s.describe() for s in self.servers))
+                # asyncio.timeout, not wait_for: wait() runs in this task, so a cancellation
+                # reaches it directly and it holds the lock again before `async with` exits
+                # (wait_for cancelled twice could leave without it and release someone else's)
                 try:
-                    await asyncio.wait_for(self._cond().wait(), left)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(left):
+                        await self._cond().wait()
+                except TimeoutError:
                     pass
         if session is not None and server is not session.server:
             self._bind(session, server, overload_margin)
