@@ -34,6 +34,7 @@ from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.seeding import derive_seed
 from async_rl.weight_sync.receivers import DiskWeightReceiver
+from async_rl.weight_sync.staging import WeightsSuperseded
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class RolloutController:
         self.trajectories_pushed = 0
         self.interrupted = 0
         self.restarted_stale = 0
+        self.superseded = 0  # weight versions skipped: pruned behind newer ones before any server loaded them
         self._attempts: dict[asyncio.Task, int] = {}  # generations in flight -> the version each started under
         self._stop = asyncio.Event()
         self._error: BaseException | None = None
@@ -168,16 +170,25 @@ class RolloutController:
     async def apply_weights(self, msg: dict[str, Any]) -> None:
         version = int(msg["version"])
         if version <= self.pool.version:  # a replay for a side that just joined: we have these weights
-            await self.weights.release(await self.weights.prepare(msg))
+            try:
+                await self.weights.release(await self.weights.prepare(msg))
+            except WeightsSuperseded:
+                pass  # and pruned since: nothing to release
             logger.debug("weights v%d already loaded: replay ignored", version)
             return
-        stats = await update_servers(self.pool, self.weights, msg, self.cfg.weight_sync.deadline_s)
+        try:
+            stats = await update_servers(self.pool, self.weights, msg, self.cfg.weight_sync.deadline_s)
+        except WeightsSuperseded as exc:  # the trainer ran ahead; its newer version's message follows
+            self.superseded += 1
+            logger.warning("%s", exc)
+            return
         self.gate.set_version(version)
         self._restart_stale(version)
         if self.periodic_eval is not None:
             self.periodic_eval.maybe_start(version)
         stats.update({"rollout/groups_pushed": self.groups_pushed, "rollout/trajectories_pushed": self.trajectories_pushed,
                       "rollout/interrupted": self.interrupted, "rollout/restarted_stale": self.restarted_stale,
+                      "rollout/weights_superseded": self.superseded,
                       "rollout/in_flight": sum(self.pool.in_flight),
                       **self.gate.stats(), **self.pool.stats()})
         stats.update(await self._engine_metrics())

@@ -10,6 +10,12 @@ loaded the current version (the next update includes it again). If no server loa
 version and none is coming back with it (`pool.recovery`, the launcher's server keeper, which
 loads the current version into a server it restarts), the run cannot go on:
 `WeightUpdateError` says why for each server.
+
+A version can be gone before every server has loaded it: the trainer ran ahead (after a
+restart it trains on replayed trajectories at once) and pruned it behind newer ones
+(`weight_sync.keep_last`). A load that fails for that reason is no fault of the server: it
+continues at the weights it holds, unfenced, and when no server loaded the version,
+`WeightsSuperseded` tells the caller to skip it; the newer version's message is already sent.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 
 from async_rl.protocols import WeightReceiver
 from async_rl.rollout.server_pool import Server, ServerPool
+from async_rl.weight_sync.staging import WeightsSuperseded
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +36,13 @@ class WeightUpdateError(RuntimeError):
     """No generation server loaded a weight version."""
 
 
+SUPERSEDED = "superseded"
+
+
 async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server, prepared: Any, version: int,
-                      deadline_s: float) -> float | None:
-    """Pause, load, continue one server; its seconds, or None when it was fenced."""
+                      deadline_s: float) -> float | str | None:
+    """Pause, load, continue one server; its seconds, SUPERSEDED when the version was pruned behind a
+    newer one (the server continues at what it holds), or None when it was fenced."""
     t0 = time.perf_counter()
 
     async def sequence() -> None:
@@ -47,6 +58,15 @@ async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server
         return None
     except Exception as exc:  # unreachable, refused the weights, died mid-load: all mean out of rotation
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if receiver.superseded(prepared, version):
+            try:
+                await asyncio.wait_for(server.client.continue_generation(), deadline_s)
+            except Exception as again:
+                pool.fence(server, f"weight update v{version} was superseded, then the server did not "
+                                   f"continue: {(str(again).strip().splitlines() or [type(again).__name__])[0]}")
+                return None
+            logger.info("%s: weights v%d skipped, pruned behind a newer version (%s)", server.address, version, first)
+            return SUPERSEDED
         pool.fence(server, f"weight update v{version} failed: {first}")
         return None
     await pool.rejoin(server, version)
@@ -58,7 +78,8 @@ async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[s
     """Load the version in `msg` into every healthy server of `pool`; returns sync/* metrics."""
     version = int(msg["version"])
     t0 = time.perf_counter()
-    prepared = await receiver.prepare(msg)
+    prepared = await receiver.prepare(msg)  # WeightsSuperseded too, when it is already gone here
+    before = pool.version
     try:
         pool.version = max(pool.version, version)
         for s in pool.servers:
@@ -69,7 +90,12 @@ async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[s
                                       for s in targets))
     finally:
         await receiver.release(prepared)
-    loaded = [t for t in took if t is not None]
+    loaded = [t for t in took if isinstance(t, float)]
+    skipped = took.count(SUPERSEDED)
+    if not loaded and skipped:
+        pool.version = before
+        raise WeightsSuperseded(f"weight update v{version}: pruned behind a newer version before any server "
+                                "loaded it (weight_sync.keep_last); the newer one follows")
     if not loaded and pool.recovery is not None and await pool.recovery():
         # e.g. the only server was killed mid-update: its restart loads this version before it rejoins
         logger.warning("weight update v%d: no generation server loaded it; the restarting ones load it "
@@ -80,4 +106,5 @@ async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[s
         raise WeightUpdateError(f"weight update v{version}: no generation server loaded it: "
                                 + "; ".join(s.describe() for s in pool.servers))
     return {"sync/update_s": time.perf_counter() - t0, "sync/server_update_s_max": max(loaded),
-            "sync/servers_loaded": len(loaded), "sync/servers_fenced": len(pool.servers) - len(loaded)}
+            "sync/servers_loaded": len(loaded), "sync/servers_superseded": skipped,
+            "sync/servers_fenced": len(pool.servers) - len(loaded) - skipped}

@@ -46,6 +46,16 @@ def stale_files(directory: Path, version: int, keep_last: int) -> list[Path]:
     return [f for v, f in sorted(found) if v <= version - keep_last]
 
 
+def superseded(path: str | Path, version: int) -> bool:
+    """Whether the file of `version` is gone because a newer version replaced it: pruning follows a
+    newer version's completion, so a newer file is there. A path that is gone with nothing newer
+    beside it (a directory this process does not see, a wrong path) is not superseded, it is missing."""
+    p = Path(path)
+    if p.exists() or not p.parent.is_dir():
+        return False
+    return any((m := _NAME.match(f.name)) and int(m.group(1)) > version for f in p.parent.iterdir())
+
+
 def prune(directory: Path, version: int, keep_last: int) -> None:
     """Remove weight files more than `keep_last` versions older than `version`."""
     for f in stale_files(directory, version, keep_last):

@@ -189,6 +189,9 @@ class DistWeightReceiver:
     async def release(self, prepared: dict[str, Any]) -> None:
         return None
 
+    def superseded(self, prepared: dict[str, Any], version: int) -> bool:
+        return False  # a broadcast leaves nothing to prune
+
 
 # --------------------------------------------------------------------------- server side
 class DistWeightGroups:

@@ -14,6 +14,7 @@ from typing import Any
 
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, WeightReceiver
+from async_rl.weight_sync.disk import superseded
 from async_rl.weight_sync.dist import DistWeightReceiver
 from async_rl.weight_sync.zmq_buckets import ZmqWeightReceiver
 
@@ -29,6 +30,9 @@ class DiskWeightReceiver:
 
     async def release(self, prepared: str) -> None:
         return None
+
+    def superseded(self, prepared: str, version: int) -> bool:
+        return superseded(prepared, version)
 
 
 def keep_last(cfg: Config) -> int:

@@ -116,6 +116,11 @@ class BucketError(WeightSyncError):
     """A bucket that is truncated, corrupted, repeated or out of range."""
 
 
+class WeightsSuperseded(WeightSyncError):
+    """A version whose weights are gone because a newer version replaced them (pruned, `keep_last`):
+    nothing is wrong with the servers; the newer version's message is already on its way."""
+
+
 class StagedFile:
     """One version being assembled at `path` (written as `.path.partial`, renamed by `finish`)."""
 

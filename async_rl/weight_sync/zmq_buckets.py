@@ -38,9 +38,10 @@ from typing import Any
 
 from async_rl.protocols import GenerationClient
 from async_rl.types import WireFormatError
-from async_rl.weight_sync.disk import check_keep_last, prune, stale_files, weights_filename
+from async_rl.weight_sync.disk import check_keep_last, prune, stale_files, superseded, weights_filename
 from async_rl.weight_sync.layout import WeightLayout, crc32
-from async_rl.weight_sync.staging import BucketError, StagedFile, WeightSyncError, WeightVersionError
+from async_rl.weight_sync.staging import (BucketError, StagedFile, WeightSyncError, WeightsSuperseded,
+                                           WeightVersionError)
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class ZmqWeightReceiver:
         self._done: dict[int, Path] = {}
         self._replayed: set[int] = set()  # versions sent again (for a joining side) that we already hold
         self._failed: dict[int, str] = {}
+        self._abandoned: set[int] = set()  # versions in _failed because a newer one started
         self._lock = threading.Lock()
 
     def attach(self, queue: Any) -> "ZmqWeightReceiver":
@@ -175,6 +177,7 @@ class ZmqWeightReceiver:
                            len(stage.received), len(stage.layout.buckets), layout.version)
             stage.abandon()
             self._failed[v] = f"weights v{v}: truncated: superseded by v{layout.version} before it completed"
+            self._abandoned.add(v)
             del self._stages[v]
         self.accepted = layout.version
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -219,9 +222,16 @@ class ZmqWeightReceiver:
 
     def _prepare(self, version: int) -> str:
         if version in self._failed:
-            raise WeightSyncError(self._failed.pop(version))
+            why = self._failed.pop(version)
+            # one the sender gave up on for a newer version is skipped, not an error: the newer one loads
+            abandoned = version in self._abandoned
+            self._abandoned.discard(version)
+            raise (WeightsSuperseded if abandoned else WeightSyncError)(why)
         if version in self._done:
             return str(self._done[version])
+        newer = [v for v in self._done if v > version]
+        if newer:  # completed, then pruned behind a newer one before its commit was handled
+            raise WeightsSuperseded(f"weights v{version}: superseded by v{max(newer)} (pruned, weight_sync.keep_last)")
         stage = self._stages.pop(version, None)
         if stage is not None:
             stage.finish()  # raises: truncated, naming the missing buckets
@@ -233,3 +243,6 @@ class ZmqWeightReceiver:
 
     async def release(self, prepared: str) -> None:
         return None
+
+    def superseded(self, prepared: str, version: int) -> bool:
+        return superseded(prepared, version)

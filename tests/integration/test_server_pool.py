@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from async_rl.config import load_config
 from async_rl.engine.client import HttpGenerationClient
@@ -25,7 +25,9 @@ from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import NoServerError, ServerPool
 from async_rl.rollout.weight_update import WeightUpdateError, update_servers
 from async_rl.types import SamplingParams
+from async_rl.weight_sync.disk import DiskWeightPublisher, weights_filename
 from async_rl.weight_sync.receivers import DiskWeightReceiver
+from async_rl.weight_sync.staging import WeightsSuperseded
 from launch.common import free_port
 from launch.procs import start_server, stop_all
 from launch.serve import BackgroundServer
@@ -200,6 +202,41 @@ def test_no_server_left_is_a_clear_error_not_a_hang(servers):
             pool.recovery = lambda: recovery(True)  # its restart will load v11: the update is not fatal
             stats = await update_servers(pool, DiskWeightReceiver(), {"version": 11, "path": servers.weights}, 1.0)
             assert stats["sync/servers_loaded"] == 0 and pool.version == 11 and asked == [False, True]
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_version_pruned_before_the_server_loads_it_is_skipped_not_fenced(servers, tmp_path):
+    """The trainer ran ahead (after a restart it trains on replayed data at once) and pruned v20 behind
+    v21 and v22 before this side loaded it: the server carries on unfenced at the weights it holds,
+    the update says it was superseded, and the next one loads. A path that is simply missing is
+    still a failure that fences (the random-kill test once lost its rollout side to the former)."""
+    publisher = DiskWeightPublisher(tmp_path / "weights", keep_last=1)
+    state = load_file(servers.weights)
+    msgs = [publisher.publish(state, v) for v in (20, 21, 22)]  # v20 and v21 pruned behind v22
+
+    async def main():
+        pool = ServerPool([HttpGenerationClient(servers.urls[0])])  # server1 was killed by an earlier test
+        receiver = DiskWeightReceiver()
+        try:
+            with pytest.raises(WeightsSuperseded, match="v20: pruned behind a newer version"):
+                await update_servers(pool, receiver, msgs[0], 10.0)
+            skipped = pool.stats()
+            assert skipped["pool/in_rotation"] == 1 and skipped["pool/fenced_total"] == 0 and pool.version == 0
+            out = await asyncio.wait_for(PooledGenerationClient(pool).generate(
+                prompt_ids(servers.tok, PROMPTS[0]), GREEDY), 30)  # the server was not left paused
+            assert set(out.output_versions) == {3}  # what it held: v3, from the test before
+            loaded = await update_servers(pool, receiver, msgs[2], 10.0)
+            assert loaded["sync/servers_loaded"] == 1 and loaded["sync/servers_superseded"] == 0
+            assert pool.stats()["pool/server0/version"] == 22
+            nowhere = {"version": 23, "path": str(tmp_path / "nowhere" / weights_filename(23))}
+            with pytest.raises(WeightUpdateError, match="v23: no generation server loaded it"):
+                await update_servers(pool, receiver, nowhere, 10.0)
+            assert pool.stats()["pool/fenced_total"] == 1
+            await update_servers(pool, receiver, publisher.publish(state, 24), 10.0)  # back, not paused
+            assert pool.stats()["pool/in_rotation"] == 1
         finally:
             await pool.close()
 

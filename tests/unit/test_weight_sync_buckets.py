@@ -15,9 +15,9 @@ import torch
 
 from async_rl.config import ModelConfig
 from async_rl.models import build_tiny_tokenizer, load_model
-from async_rl.weight_sync.disk import load_weights, weights_version
+from async_rl.weight_sync.disk import load_weights, superseded, weights_filename, weights_version
 from async_rl.weight_sync.layout import WeightLayout, crc32
-from async_rl.weight_sync.staging import BucketError, StagedFile, WeightSyncError, map_weights
+from async_rl.weight_sync.staging import BucketError, StagedFile, WeightsSuperseded, WeightSyncError, map_weights
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver, chunk_bytes_for
 
 ALPHABET = "0123456789+= "
@@ -170,9 +170,27 @@ def test_commit_without_any_bucket_and_a_superseded_version(trained, tmp_path):
 
     _stream(trained.state_dict(), 2, 4096, tmp_path, receiver=receiver, tamper=cut)
     _, commit3, _ = _stream(trained.state_dict(), 3, 4096, tmp_path, receiver=receiver)
-    with pytest.raises(WeightSyncError, match="v2: truncated: superseded by v3"):
+    with pytest.raises(WeightsSuperseded, match="v2: truncated: superseded by v3"):  # skipped, not fatal
         asyncio.run(receiver.prepare({"kind": "weights", "version": 2}))
     assert weights_version(asyncio.run(receiver.prepare(commit3))) == 3
+    # v4 and v5 complete before v4's commit is handled: with keep_last=1 v4's file is pruned behind v5
+    receiver.keep_last = 1
+    _, commit4, _ = _stream(trained.state_dict(), 4, 4096, tmp_path, receiver=receiver)
+    _, commit5, _ = _stream(trained.state_dict(), 5, 4096, tmp_path, receiver=receiver)
+    with pytest.raises(WeightsSuperseded, match="v4: superseded by v5"):
+        asyncio.run(receiver.prepare(commit4))
+    path5 = asyncio.run(receiver.prepare(commit5))
+    assert weights_version(path5) == 5 and not receiver.superseded(path5, 5)
+    assert receiver.superseded(str(tmp_path / weights_filename(4)), 4)  # gone, and v5 is beside it
+
+
+def test_a_file_gone_is_superseded_only_with_a_newer_version_beside_it(tmp_path):
+    for v in (3, 5):
+        (tmp_path / weights_filename(v)).write_bytes(b"x")
+    assert not superseded(tmp_path / weights_filename(3), 3)  # still there
+    assert superseded(tmp_path / weights_filename(2), 2) and superseded(tmp_path / weights_filename(4), 4)
+    assert not superseded(tmp_path / weights_filename(6), 6)  # nothing newer: missing, not superseded
+    assert not superseded(tmp_path / "elsewhere" / weights_filename(1), 1)  # a directory this side does not see
 
 
 def test_publisher_deadline_names_the_config_key():
