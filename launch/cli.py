@@ -119,12 +119,8 @@ def _dispatch(command: str, cfg: Config) -> int:
         return 0
     _check_standalone(cfg, command)
     save_config(cfg, Path(cfg.run_dir))
-    if command == "train":
-        from launch.trainer_proc import trainer_main as target
-    elif command == "rollout":
-        from launch.rollout_proc import rollout_main as target
-    else:
-        from launch.serve import serve_main as target
+    target = {"train": "launch.trainer_proc:trainer_main", "rollout": "launch.rollout_proc:rollout_main",
+              "serve": "launch.serve:serve_main"}[command]
     proc = procs.spawn(command if command != "serve" else "server", target, cfg)
     try:
         proc.join()

@@ -31,7 +31,6 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +41,12 @@ from async_rl.utils.metrics import read_jsonl
 from async_rl.trainer.backends import get_backend
 from launch.common import up_file, with_free_port
 from launch.procs import child_cause, child_error, spawn, stop_all, with_overrides
-from launch.rollout_proc import rollout_main
 from launch.supervision import RESTARTS_FILE, RestartBudget, restart_lines
-from launch.trainer_proc import trainer_main
 
 logger = logging.getLogger(__name__)
 
 # the launcher's children, in start order; a restarted trainer resumes from its newest checkpoint
-TARGETS: dict[str, Callable[[Config], None]] = {"trainer": trainer_main, "rollout": rollout_main}
+TARGETS = {"trainer": "launch.trainer_proc:trainer_main", "rollout": "launch.rollout_proc:rollout_main"}
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 

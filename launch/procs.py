@@ -3,12 +3,17 @@
 Every child runs `child_entry`, which sets up logging into the run directory and turns
 any exception into a single `error: ...` line (the traceback goes to the child's log
 file) plus an `<name>.error` file the parent reads to report why a child died.
+
+A target is named "module:function" and imported in the child: a parent that only starts
+and watches processes (the launcher, a Ray host) never imports what they run, so it is
+up in a fraction of a second and its children start at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -76,7 +81,13 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def child_entry(name: str, target: Callable[..., None], cfg: Config, kwargs: dict) -> None:
+def resolve_target(target: str) -> Callable[..., None]:
+    """The function a "module:function" target names, imported here."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def child_entry(name: str, target: str, cfg: Config, kwargs: dict) -> None:
     """Body of every child process."""
     threading.Thread(target=_watch_parent, args=(os.getppid(),), name="watch-parent", daemon=True).start()
     setup_logging(cfg.log.level, cfg.run_dir, name, console_level="WARNING")
@@ -86,7 +97,7 @@ def child_entry(name: str, target: Callable[..., None], cfg: Config, kwargs: dic
     err.unlink(missing_ok=True)
     pid_file(cfg.run_dir, name).write_text(str(os.getpid()))  # who to signal (tests, operators); a restart rewrites it
     try:
-        target(cfg, **kwargs)
+        resolve_target(target)(cfg, **kwargs)
     except KeyboardInterrupt:
         sys.exit(130)
     except BaseException as exc:  # report every failure as one line; the traceback goes to the log file
@@ -99,7 +110,10 @@ def child_entry(name: str, target: Callable[..., None], cfg: Config, kwargs: dic
         sys.exit(2)
 
 
-def spawn(name: str, target: Callable[..., None], cfg: Config, **kwargs) -> mp.Process:
+def spawn(name: str, target: str, cfg: Config, **kwargs) -> mp.Process:
+    """Start `target` ("module:function", called as function(cfg, **kwargs)) as child process `name`."""
+    if target.count(":") != 1:
+        raise ValueError(f"spawn target: expected 'module:function', got {target!r}")
     proc = _CTX.Process(target=child_entry, args=(name, target, cfg, kwargs), name=name, daemon=False)
     proc.start()
     return proc
@@ -149,12 +163,10 @@ def server_name(index: int) -> str:
 
 def start_server(cfg: Config, index: int = 0, timeout_s: float = 600.0) -> tuple[mp.Process, str]:
     """Start embedded generation server `index` as a child; return it and its URL once it serves."""
-    from launch.serve import serve_main
-
     name = server_name(index)
     ready = Path(cfg.run_dir) / f"{name}_address"
     ready.unlink(missing_ok=True)
-    proc = spawn(name, serve_main, cfg, ready_file=str(ready))
+    proc = spawn(name, "launch.serve:serve_main", cfg, ready_file=str(ready))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready.is_file() and ready.read_text().strip():

@@ -13,7 +13,6 @@ it is an optional extra.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,12 +89,6 @@ def cannot_place(slots: list[Slot], where: str, free: dict[str, float], why: str
             "or the ray.num_cpus_per_* / ray.num_gpus_per_* bundle sizes, or use a larger cluster (ray.address)")
 
 
-def run_entry(cfg: Any, *, entry: str, **kwargs: Any) -> None:
-    """Body of a hosted child: import `module:function` there (the actor stays light) and run it."""
-    module, _, name = entry.partition(":")
-    getattr(importlib.import_module(module), name)(cfg, **kwargs)
-
-
 class ProcessHost:
     """A Ray actor running one of the run's processes as its child, answering for it."""
 
@@ -114,7 +107,7 @@ class ProcessHost:
 
     def start(self, entry: str, cfg_yaml: str, kwargs: dict) -> None:
         self.cfg = config_from_yaml_text(cfg_yaml)
-        self.proc = spawn(self.name, run_entry, self.cfg, entry=entry, **kwargs)
+        self.proc = spawn(self.name, entry, self.cfg, **kwargs)  # imported in the child: the actor stays light
 
     def start_server(self, cfg_yaml: str, index: int) -> str:
         """Start generation server `index` with the launcher registered for `engine.backend`; its URL."""

@@ -227,8 +227,8 @@ def local_followers(cfg: Config) -> Iterator[tuple[str, int, Callable[[], None] 
         yield "127.0.0.1", 0, None
         return
     addr, port = "127.0.0.1", free_port()
-    procs = {f"trainer_rank{r}": spawn(f"trainer_rank{r}", follower_main, cfg, rank=r, world_size=n,
-                                       master_addr=addr, master_port=port) for r in range(1, n)}
+    procs = {f"trainer_rank{r}": spawn(f"trainer_rank{r}", "launch.trainer_ranks:follower_main", cfg, rank=r,
+                                       world_size=n, master_addr=addr, master_port=port) for r in range(1, n)}
 
     def check_followers() -> None:
         for name, proc in procs.items():
