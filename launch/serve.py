@@ -22,7 +22,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,26 @@ logger = logging.getLogger(__name__)
 class EngineServer(uvicorn.Server):
     """uvicorn serving one engine: on shutdown it first aborts the requests in flight (so their
     handlers answer at once instead of holding the shutdown), and SIGINT/SIGTERM end `serve()`
-    normally instead of being re-raised after it."""
+    normally instead of being re-raised after it. What is still running `GRACE_S` later (a request
+    whose client never sent its whole body) is cancelled without a traceback: the server is stopping."""
+
+    GRACE_S = 3.0
 
     def __init__(self, app: FastAPI, engine: AsyncEngine):
-        super().__init__(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                        timeout_graceful_shutdown=10, timeout_keep_alive=30))
+        super().__init__(uvicorn.Config(self._quiet_when_stopping(app), log_level="warning", access_log=False,
+                                        lifespan="off", timeout_graceful_shutdown=self.GRACE_S,
+                                        timeout_keep_alive=30))
         self.engine = engine
+
+    def _quiet_when_stopping(self, app: FastAPI) -> Callable[..., Awaitable[None]]:
+        async def asgi(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+            try:
+                await app(scope, receive, send)
+            except asyncio.CancelledError:
+                if not self.should_exit:
+                    raise
+                # cancelled by uvicorn's shutdown timeout; the client sees its connection close
+        return asgi
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

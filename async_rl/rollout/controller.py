@@ -246,22 +246,24 @@ class RolloutController:
         control = asyncio.create_task(self._control_loop())
         for task in (admit, control):
             task.add_done_callback(self._done)
-        await self._stop.wait()
-        admit.cancel()
-        control.cancel()
-        pending = list(self._tasks)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(admit, control, *pending, return_exceptions=True)
-        if pending:
-            logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
-            if self.ledger is not None:
-                self.ledger.record("abandoned_groups", count=len(pending))
-        if self.periodic_eval is not None:
-            await self.periodic_eval.close()
-        if self.tracer is not None:
-            self.tracer.close()
-        if self._own_pool:
-            await self.pool.close(close_clients=False)
+        try:
+            await self._stop.wait()
+        finally:  # stopped, or cancelled (SIGTERM): no group may outlive the queue client and files it writes to
+            admit.cancel()
+            control.cancel()
+            pending = list(self._tasks)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(admit, control, *pending, return_exceptions=True)
+            if pending:
+                logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
+                if self.ledger is not None:
+                    self.ledger.record("abandoned_groups", count=len(pending))
+            if self.periodic_eval is not None:
+                await self.periodic_eval.close()
+            if self.tracer is not None:
+                self.tracer.close()
+            if self._own_pool:
+                await self.pool.close(close_clients=False)
         if self._error is not None:
             raise self._error

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, eos_token_ids, load_model
-from launch.serve import BackgroundServer
+from launch.serve import BackgroundServer, EngineServer
 
 TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "a", "Hello, world!", "0123"]
 
@@ -265,6 +266,37 @@ def test_serve_main_prints_one_line_and_stops_on_sigterm(tmp_path):
                 assert pending.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
         assert proc.wait(timeout=20) == 0
         assert proc.stdout.read() == ""  # exactly one line on stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_request_whose_body_never_arrives_does_not_hold_the_shutdown(tmp_path):
+    """A client that sent the headers of a POST but not all of its body (a process stopped mid-send)
+    keeps that request waiting; on SIGTERM the server waits `EngineServer.GRACE_S` for it, then
+    cancels it without a traceback on the console (a random-kill run once printed one)."""
+    code = ("import sys; from async_rl.config import load_config; from launch.serve import serve_main; "
+            "serve_main(load_config(None, sys.argv[2:]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "-", "engine.port=0", "engine.num_threads=1",
+                             "engine.kv_cache_mb=8", f"run_dir={tmp_path}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = proc.stdout.readline().strip().removeprefix("serving on ")
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as half:
+            half.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"text\": ")
+            with httpx.Client(base_url=url, trust_env=False, timeout=30) as c:  # the request is in its handler
+                wait_for(lambda: c.get("/health").status_code == 200)
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0
+            took = time.monotonic() - t0
+        err = proc.stderr.read()
+        assert took < EngineServer.GRACE_S + 3.0, took
+        assert "Traceback" not in err and "Exception in ASGI application" not in err, err
     finally:
         if proc.poll() is None:
             proc.kill()
