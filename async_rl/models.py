@@ -30,6 +30,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
 
 @functools.cache
 def _hf():
@@ -40,14 +48,6 @@ def _hf():
     # loading and converting print progress bars per process; a run's console shows its own progress only
     transformers.utils.logging.disable_progress_bar()
     return transformers
-
-SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>"]
-CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-PRINTABLE = "".join(chr(c) for c in range(32, 127)) + "\n"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class ModelLoadError(RuntimeError):

@@ -66,7 +66,10 @@ class WeightReceiver(Protocol):
     and each under the update deadline, so a slow server can be fenced without holding
     the others; `release` frees what `prepare` made once every server is done."""
 
-    async def prepare(self, msg: dict[str, Any]) -> Any: ...
+    async def prepare(self, msg: dict[str, Any]) -> Any:
+        """What `load` needs for the version in `msg`; raises `WeightsSuperseded` when a newer
+        version already replaced it (skipped: the newer one's message follows)."""
+        ...
 
     async def load(self, client: GenerationClient, prepared: Any, version: int) -> None: ...
 

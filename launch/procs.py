@@ -112,7 +112,7 @@ def child_entry(name: str, target: str, cfg: Config, kwargs: dict) -> None:
 
 def spawn(name: str, target: str, cfg: Config, **kwargs) -> mp.Process:
     """Start `target` ("module:function", called as function(cfg, **kwargs)) as child process `name`."""
-    if target.count(":") != 1:
+    if not isinstance(target, str) or target.count(":") != 1:
         raise ValueError(f"spawn target: expected 'module:function', got {target!r}")
     proc = _CTX.Process(target=child_entry, args=(name, target, cfg, kwargs), name=name, daemon=False)
     proc.start()

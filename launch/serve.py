@@ -45,7 +45,8 @@ class EngineServer(uvicorn.Server):
     """uvicorn serving one engine: on shutdown it first aborts the requests in flight (so their
     handlers answer at once instead of holding the shutdown), and SIGINT/SIGTERM end `serve()`
     normally instead of being re-raised after it. What is still running `GRACE_S` later (a request
-    whose client never sent its whole body) is cancelled without a traceback: the server is stopping."""
+    whose client never sent its whole body) is cancelled and answered 503 (connection closed) if
+    nothing was sent yet, with one warning and no traceback: the server is stopping."""
 
     GRACE_S = 3.0
 
@@ -57,12 +58,25 @@ class EngineServer(uvicorn.Server):
 
     def _quiet_when_stopping(self, app: FastAPI) -> Callable[..., Awaitable[None]]:
         async def asgi(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+            started = False
+
+            async def tracked(message: dict[str, Any]) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
             try:
-                await app(scope, receive, send)
+                await app(scope, receive, tracked if scope["type"] == "http" else send)
             except asyncio.CancelledError:
-                if not self.should_exit:
+                if not self.should_exit or scope["type"] != "http":
                     raise
-                # cancelled by uvicorn's shutdown timeout; the client sees its connection close
+                # cancelled by the shutdown's grace timeout (uvicorn's own error line is filtered: _GraceFilter)
+                if not started:  # an answer, so uvicorn has nothing to complain about
+                    body = b'{"error": "the server is shutting down"}'
+                    await send({"type": "http.response.start", "status": 503,
+                                "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                            (b"content-length", str(len(body)).encode())]})
+                    await send({"type": "http.response.body", "body": body})
         return asgi
 
     @contextlib.contextmanager
@@ -83,6 +97,21 @@ class EngineServer(uvicorn.Server):
         with contextlib.suppress(EngineStoppedError):
             await self.engine.abort_all()
         await super().shutdown(sockets=sockets)
+
+
+class _GraceFilter(logging.Filter):
+    """uvicorn logs the requests it cancels at the end of a stop's grace period as an ERROR; for a
+    server that is stopping they are expected: one warning of ours says it instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().endswith("timeout graceful shutdown exceeded"):
+            logger.warning("stopping: %s request(s) still running after %.0fs were cancelled",
+                           record.args[0] if record.args else "some", EngineServer.GRACE_S)
+            return False
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_GraceFilter())
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

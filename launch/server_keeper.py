@@ -56,18 +56,22 @@ def write_server_listing(run_dir: str | Path, procs: list[Any], urls: list[str])
 
 
 class _RememberingReceiver:
-    """The run's WeightReceiver, which also keeps the newest weights message and holds an update
-    back while a server restarts."""
+    """The run's WeightReceiver, which also keeps the newest weights messages (a restarted server
+    loads the pool's version, which is not the newest prepared when that one was superseded) and
+    holds an update back while a server restarts."""
+
+    KEEP = 4
 
     def __init__(self, inner: WeightReceiver, keeper: "ServerKeeper"):
         self.inner, self.keeper = inner, keeper
-        self.last: dict[str, Any] | None = None
+        self.recent: dict[int, dict[str, Any]] = {}  # version -> its weights message
 
     async def prepare(self, msg: dict[str, Any]) -> Any:
         await self.keeper.settled()
         prepared = await self.inner.prepare(msg)
-        if self.last is None or int(msg["version"]) >= int(self.last["version"]):
-            self.last = msg
+        self.recent[int(msg["version"])] = msg
+        for old in sorted(self.recent)[:-self.KEEP]:
+            del self.recent[old]
         return prepared
 
     async def load(self, client: Any, prepared: Any, version: int) -> None:
@@ -75,6 +79,9 @@ class _RememberingReceiver:
 
     async def release(self, prepared: Any) -> None:
         await self.inner.release(prepared)
+
+    def superseded(self, prepared: Any, version: int) -> bool:
+        return self.inner.superseded(prepared, version)
 
     def __getattr__(self, name: str) -> Any:  # e.g. a transport's stats
         return getattr(self.inner, name)
@@ -177,9 +184,10 @@ class ServerKeeper:
     async def _catch_up(self, server: Server) -> None:
         """Load the current weights into a restarted server, then let it rejoin the rotation."""
         await self.pool.mark_healthy(server)  # it answers; still fenced
-        version, msg = self.pool.version, self.receiver.last
+        version = self.pool.version
+        msg = self.receiver.recent.get(version)
         if version > 0:
-            if msg is None or int(msg["version"]) != version or self.cfg.weight_sync.transport not in REPLAYABLE:
+            if msg is None or self.cfg.weight_sync.transport not in REPLAYABLE:
                 logger.warning("generation server %s restarted; it stays fenced until the next weight update "
                                "(weight_sync.transport=%s)", server.address, self.cfg.weight_sync.transport)
                 return

@@ -252,9 +252,9 @@ class RolloutController:
             admit.cancel()
             control.cancel()
             pending = list(self._tasks)
-            for t in pending:
+            for t in [*pending, *self._attempts]:
                 t.cancel()
-            await asyncio.gather(admit, control, *pending, return_exceptions=True)
+            await asyncio.gather(admit, control, *pending, *self._attempts, return_exceptions=True)
             if pending:
                 logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
                 if self.ledger is not None:

@@ -13,9 +13,11 @@ loads the current version into a server it restarts), the run cannot go on:
 
 A version can be gone before every server has loaded it: the trainer ran ahead (after a
 restart it trains on replayed trajectories at once) and pruned it behind newer ones
-(`weight_sync.keep_last`). A load that fails for that reason is no fault of the server: it
-continues at the weights it holds, unfenced, and when no server loaded the version,
-`WeightsSuperseded` tells the caller to skip it; the newer version's message is already sent.
+(`weight_sync.keep_last`). A load that fails for that reason is no fault of the server. When
+no server loaded the version, they all continue at the weights they hold and
+`WeightsSuperseded` tells the caller to skip it (the newer version's message is already
+sent); when some did, the others are fenced like any server behind the current version, and
+rejoin at the next update.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from async_rl.protocols import WeightReceiver
@@ -36,18 +39,39 @@ class WeightUpdateError(RuntimeError):
     """No generation server loaded a weight version."""
 
 
-SUPERSEDED = "superseded"
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _superseded(receiver: WeightReceiver, prepared: Any, version: int) -> bool:
+    try:
+        return receiver.superseded(prepared, version)
+    except OSError:  # the weights directory itself is gone or unreadable: a failure, not a newer version
+        return False
+
+
+@dataclass
+class _Outcome:
+    """What one server made of an update: loaded (in `seconds`), fenced, or left paused at its old
+    weights because the version was pruned behind a newer one (`superseded`, with `why`)."""
+
+    seconds: float | None = None
+    superseded: bool = False
+    why: str = ""
 
 
 async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server, prepared: Any, version: int,
-                      deadline_s: float) -> float | str | None:
-    """Pause, load, continue one server; its seconds, SUPERSEDED when the version was pruned behind a
-    newer one (the server continues at what it holds), or None when it was fenced."""
+                      deadline_s: float) -> _Outcome:
+    """Pause, load, continue one server within `deadline_s`."""
     t0 = time.perf_counter()
+    step = "pause"
 
     async def sequence() -> None:
+        nonlocal step
         await server.client.pause_generation()
+        step = "load"
         await receiver.load(server.client, prepared, version)
+        step = "continue"
         await server.client.continue_generation()
 
     try:
@@ -55,22 +79,26 @@ async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server
     except asyncio.TimeoutError:
         pool.fence(server, f"missed the {deadline_s:g}s deadline of weight update v{version} "
                            "(weight_sync.deadline_s)")
-        return None
+        return _Outcome()
     except Exception as exc:  # unreachable, refused the weights, died mid-load: all mean out of rotation
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if receiver.superseded(prepared, version):
-            try:
-                await asyncio.wait_for(server.client.continue_generation(), deadline_s)
-            except Exception as again:
-                pool.fence(server, f"weight update v{version} was superseded, then the server did not "
-                                   f"continue: {(str(again).strip().splitlines() or [type(again).__name__])[0]}")
-                return None
-            logger.info("%s: weights v%d skipped, pruned behind a newer version (%s)", server.address, version, first)
-            return SUPERSEDED
-        pool.fence(server, f"weight update v{version} failed: {first}")
-        return None
+        if step == "load" and _superseded(receiver, prepared, version):
+            return _Outcome(superseded=True, why=_first_line(exc))  # still paused: update_servers decides
+        pool.fence(server, f"weight update v{version} failed: {_first_line(exc)}")
+        return _Outcome()
     await pool.rejoin(server, version)
-    return time.perf_counter() - t0
+    return _Outcome(seconds=time.perf_counter() - t0)
+
+
+async def _resume_at_old_weights(pool: ServerPool, server: Server, version: int, why: str,
+                                 deadline_s: float) -> None:
+    """No server loaded `version` (pruned behind a newer one): this one goes on at the weights it holds."""
+    try:
+        await asyncio.wait_for(server.client.continue_generation(), deadline_s)
+    except Exception as exc:
+        pool.fence(server, f"weight update v{version} was superseded, then the server did not continue: "
+                           f"{_first_line(exc)}")
+        return
+    logger.info("%s: weights v%d skipped, pruned behind a newer version (%s)", server.address, version, why)
 
 
 async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[str, Any],
@@ -86,25 +114,30 @@ async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[s
             if not s.healthy:
                 pool.fence(s, f"unreachable during weight update v{version} ({s.reason})")
         targets = [s for s in pool.servers if s.healthy]
-        took = await asyncio.gather(*(_update_one(pool, receiver, s, prepared, version, deadline_s)
-                                      for s in targets))
+        outcomes = list(zip(await asyncio.gather(*(_update_one(pool, receiver, s, prepared, version, deadline_s)
+                                                    for s in targets)), targets))
     finally:
         await receiver.release(prepared)
-    loaded = [t for t in took if isinstance(t, float)]
-    skipped = took.count(SUPERSEDED)
-    if not loaded and skipped:
+    loaded = [o.seconds for o, _ in outcomes if o.seconds is not None]
+    skipped = [(s, o) for o, s in outcomes if o.superseded]
+    if skipped and not loaded:
         pool.version = before
+        await asyncio.gather(*(_resume_at_old_weights(pool, s, version, o.why, deadline_s) for s, o in skipped))
         raise WeightsSuperseded(f"weight update v{version}: pruned behind a newer version before any server "
-                                "loaded it (weight_sync.keep_last); the newer one follows")
+                                "loaded it (weight_sync.keep_last); the newer one follows; "
+                                + "; ".join(s.describe() for s in pool.servers))
+    for s, o in skipped:  # the others hold v{version} now: these would generate behind the current version
+        pool.fence(s, f"weight update v{version} was pruned behind a newer version before it loaded here "
+                      f"({o.why})")
     if not loaded and pool.recovery is not None and await pool.recovery():
         # e.g. the only server was killed mid-update: its restart loads this version before it rejoins
         logger.warning("weight update v%d: no generation server loaded it; the restarting ones load it "
                        "before they rejoin", version)
-        return {"sync/update_s": time.perf_counter() - t0, "sync/servers_loaded": 0,
+        return {"sync/update_s": time.perf_counter() - t0, "sync/servers_loaded": 0, "sync/servers_superseded": 0,
                 "sync/servers_fenced": len(pool.servers)}
     if not loaded:
         raise WeightUpdateError(f"weight update v{version}: no generation server loaded it: "
                                 + "; ".join(s.describe() for s in pool.servers))
     return {"sync/update_s": time.perf_counter() - t0, "sync/server_update_s_max": max(loaded),
-            "sync/servers_loaded": len(loaded), "sync/servers_superseded": skipped,
-            "sync/servers_fenced": len(pool.servers) - len(loaded) - skipped}
+            "sync/servers_loaded": len(loaded), "sync/servers_superseded": len(skipped),
+            "sync/servers_fenced": len(pool.servers) - len(loaded)}

@@ -47,13 +47,16 @@ def stale_files(directory: Path, version: int, keep_last: int) -> list[Path]:
 
 
 def superseded(path: str | Path, version: int) -> bool:
-    """Whether the file of `version` is gone because a newer version replaced it: pruning follows a
-    newer version's completion, so a newer file is there. A path that is gone with nothing newer
-    beside it (a directory this process does not see, a wrong path) is not superseded, it is missing."""
+    """Whether the file of `version` is gone because a newer version replaced it. A file goes only
+    for a newer version: pruned once that one is complete, or taken over (renamed to the newer
+    one's `.partial`) while it is written, so a newer file, whole or partial, is beside it. A path
+    that is gone with nothing newer beside it (a directory this process does not see, a wrong path)
+    is not superseded, it is missing."""
     p = Path(path)
     if p.exists() or not p.parent.is_dir():
         return False
-    return any((m := _NAME.match(f.name)) and int(m.group(1)) > version for f in p.parent.iterdir())
+    return any((m := _NAME.match(f.name.removeprefix(".").removesuffix(".partial"))) and int(m.group(1)) > version
+               for f in p.parent.iterdir())
 
 
 def prune(directory: Path, version: int, keep_last: int) -> None:

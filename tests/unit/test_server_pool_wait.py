@@ -21,7 +21,7 @@ def down_pool() -> ServerPool:
 
 
 # a cancellation, then the loop turns this many times before the next one (or the release);
-# with wait_for, (1, 1) released the holder's lock
+# with wait_for, (1, 1) and (2, 1) released the holder's lock
 GAPS = [(1,), (2,), (1, 0), (1, 1), (1, 2), (2, 1), (1, 1, 1)]
 
 

@@ -191,6 +191,8 @@ def test_a_file_gone_is_superseded_only_with_a_newer_version_beside_it(tmp_path)
     assert superseded(tmp_path / weights_filename(2), 2) and superseded(tmp_path / weights_filename(4), 4)
     assert not superseded(tmp_path / weights_filename(6), 6)  # nothing newer: missing, not superseded
     assert not superseded(tmp_path / "elsewhere" / weights_filename(1), 1)  # a directory this side does not see
+    (tmp_path / f".{weights_filename(7)}.partial").write_bytes(b"x")  # v7 being written over v6's old file
+    assert superseded(tmp_path / weights_filename(6), 6)
 
 
 def test_publisher_deadline_names_the_config_key():
