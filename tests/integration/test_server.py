@@ -245,16 +245,23 @@ def test_health_model_info_and_metrics(srv):
     assert all(k.startswith("engine/") for k in m) and m["engine/kv_blocks_total"] > 0
 
 
-def test_serve_main_prints_one_line_and_stops_on_sigterm(tmp_path):
+def standalone_server(tmp_path) -> tuple[subprocess.Popen, str]:
+    """`serve_main` as its own process with no ready file: it prints its address, read back here."""
     code = ("import sys; from async_rl.config import load_config; from launch.serve import serve_main; "
-            "serve_main(load_config(None, sys.argv[2:]))")  # standalone: no ready file, the address is printed
+            "serve_main(load_config(None, sys.argv[2:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "-", "engine.port=0", "engine.num_threads=1",
                              "engine.kv_cache_mb=8", f"run_dir={tmp_path}"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = proc.stdout.readline().strip()
+    if not line.startswith("serving on http://127.0.0.1:"):
+        proc.kill()
+        raise AssertionError(line + proc.stderr.read())
+    return proc, line.removeprefix("serving on ")
+
+
+def test_serve_main_prints_one_line_and_stops_on_sigterm(tmp_path):
+    proc, url = standalone_server(tmp_path)
     try:
-        line = proc.stdout.readline().strip()
-        assert line.startswith("serving on http://127.0.0.1:"), line + proc.stderr.read()
-        url = line.removeprefix("serving on ")
         with httpx.Client(base_url=url, trust_env=False, timeout=30) as c:
             assert c.get("/health").status_code == 200
             assert c.post("/generate", json=GOOD).status_code == 200
@@ -277,15 +284,8 @@ def test_a_request_whose_body_never_arrives_does_not_hold_the_shutdown(tmp_path)
     keeps that request waiting; on SIGTERM the server waits `EngineServer.GRACE_S` for it (not
     uvicorn's 10 s), then answers it 503 and stops, with one warning and no error or traceback on
     the console (a random-kill run once printed a traceback)."""
-    code = ("import sys; from async_rl.config import load_config; from launch.serve import serve_main; "
-            "serve_main(load_config(None, sys.argv[2:]))")
-    proc = subprocess.Popen([sys.executable, "-c", code, "-", "engine.port=0", "engine.num_threads=1",
-                             "engine.kv_cache_mb=8", f"run_dir={tmp_path}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = standalone_server(tmp_path)
     try:
-        line = proc.stdout.readline().strip()
-        assert line.startswith("serving on http://127.0.0.1:"), line + proc.stderr.read()
-        url = line.removeprefix("serving on ")
         host, port = url.removeprefix("http://").rsplit(":", 1)
         with socket.create_connection((host, int(port))) as half:
             half.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
