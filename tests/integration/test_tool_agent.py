@@ -330,7 +330,7 @@ def test_weight_update_while_a_turn_is_in_flight(forever_srv, tmp_path):
         try:
             v = int((await control.get_model_info())["weight_version"])
             steps0 = (await control.metrics())["engine/steps_total"]
-            while (await control.metrics())["engine/steps_total"] < steps0 + 20:
+            while (await control.metrics())["engine/steps_total"] < steps0 + 3:  # a few steps into turn 0
                 assert not task.done(), "the episode ended before the update"
                 await asyncio.sleep(0.002)
             await control.pause_generation()
@@ -341,9 +341,15 @@ def test_weight_update_while_a_turn_is_in_flight(forever_srv, tmp_path):
         finally:
             await control.close()
 
-    out, calls, v = run_episode(forever_srv, context(max_assistant_turns=3),
-                                Sample(id="s4", messages=QUESTION, answer="42"),
-                                SamplingParams(max_new_tokens=512, temperature=1.0), during=update)
+    # the pause must land inside turn 0 (204 tokens), but the poll shares the GIL with the in-process
+    # server and engine threads and can see the steps late (a CI run and 1 of 11 local runs paused only
+    # after turn 0 had ended): such an episode shows nothing about interruption and runs again
+    for attempt in range(4):
+        out, calls, v = run_episode(forever_srv, context(max_assistant_turns=3),
+                                    Sample(id=f"s4-{attempt}", messages=QUESTION, answer="42"),
+                                    SamplingParams(max_new_tokens=512, temperature=1.0), during=update)
+        if calls and calls[0][1].output_versions[-1] != v:
+            break
     assert seen["in_flight"] == 1 and len(calls) == 3 and out.num_turns == 3
     check_against_server(out, calls)
     first = calls[0][1].output_versions
