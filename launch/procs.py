@@ -27,16 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config
-from async_rl.utils.logs import setup_logging
+from async_rl.utils.logs import one_line, setup_logging
 from launch.common import error_file
 
 logger = logging.getLogger(__name__)
 _CTX = mp.get_context("spawn")
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 def _interrupt(signum, frame) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from async_rl.protocols import WeightReceiver
 from async_rl.rollout.server_pool import Server, ServerPool
+from async_rl.utils.logs import one_line
 from async_rl.weight_sync.staging import WeightsSuperseded
 
 logger = logging.getLogger(__name__)
@@ -37,10 +38,6 @@ logger = logging.getLogger(__name__)
 
 class WeightUpdateError(RuntimeError):
     """No generation server loaded a weight version."""
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _superseded(receiver: WeightReceiver, prepared: Any, version: int) -> bool:
@@ -82,8 +79,8 @@ async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server
         return _Outcome()
     except Exception as exc:  # unreachable, refused the weights, died mid-load: all mean out of rotation
         if step == "load" and _superseded(receiver, prepared, version):
-            return _Outcome(superseded=True, why=_first_line(exc))  # still paused: update_servers decides
-        pool.fence(server, f"weight update v{version} failed: {_first_line(exc)}")
+            return _Outcome(superseded=True, why=one_line(exc))  # still paused: update_servers decides
+        pool.fence(server, f"weight update v{version} failed: {one_line(exc)}")
         return _Outcome()
     await pool.rejoin(server, version)
     return _Outcome(seconds=time.perf_counter() - t0)
@@ -96,7 +93,7 @@ async def _resume_at_old_weights(pool: ServerPool, server: Server, version: int,
         await asyncio.wait_for(server.client.continue_generation(), deadline_s)
     except Exception as exc:
         pool.fence(server, f"weight update v{version} was superseded, then the server did not continue: "
-                           f"{_first_line(exc)}")
+                           f"{one_line(exc)}")
         return
     logger.info("%s: weights v%d skipped, pruned behind a newer version (%s)", server.address, version, why)
 

@@ -24,3 +24,9 @@ def setup_logging(level: str, run_dir: str | Path | None, name: str, console_lev
         root.addHandler(fh)
     for noisy in ("httpx", "httpcore", "uvicorn.access", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): how errors are reported."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
