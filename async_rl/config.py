@@ -128,7 +128,13 @@ class TrainerConfig:
     adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
     advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores)
     turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens
-    checkpoint_every: int = 0  # save a checkpoint every N steps (0 = only at the end)
+    checkpoint_every: int = 0  # also save a checkpoint every N steps (0 = only as checkpoint_budget allows)
+    # Checkpoints are what a restarted trainer resumes from, and what commits consumption: the
+    # rollout side keeps every trajectory until a checkpoint holds the step that trained it. Share of
+    # the trainer's wall time checkpoints may take (a checkpoint is due once the time since the last
+    # one is its cost / budget); 0 = only checkpoint_every and the end of the run.
+    checkpoint_budget: float = 0.05
+    keep_checkpoints: int = 2  # newest checkpoints of this run kept on disk (0 = all)
     resume: bool = False  # start from the newest checkpoint under run_dir/checkpoints (`--resume RUN_DIR`)
     compute_dtype: str = "auto"  # auto | float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
@@ -290,9 +296,12 @@ def validate(cfg: Config) -> None:
     if cfg.agent.max_user_turns < 0 or cfg.rollout.trace_every < 0:
         raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
     for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
-                     ("trainer.micro_batch_overhead_tokens", 0)):
+                     ("trainer.micro_batch_overhead_tokens", 0), ("trainer.checkpoint_every", 0),
+                     ("trainer.keep_checkpoints", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")
+    if not 0 <= cfg.trainer.checkpoint_budget < 1:
+        raise ConfigError(f"trainer.checkpoint_budget: must be in [0, 1), got {cfg.trainer.checkpoint_budget}")
     if cfg.supervise.drain_timeout_s <= 0:
         raise ConfigError(f"supervise.drain_timeout_s: must be > 0, got {cfg.supervise.drain_timeout_s}")
     if cfg.max_staleness < 0:

@@ -327,6 +327,11 @@ class Trajectory:
         sampled = self.versions[self.loss_mask.astype(bool)]
         return int(sampled.min()) if len(sampled) else -1
 
+    def newest_version(self) -> int:
+        """Newest policy version among the sampled tokens (-1 if none were sampled)."""
+        sampled = self.versions[self.loss_mask.astype(bool)]
+        return int(sampled.max()) if len(sampled) else -1
+
     def to_wire(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

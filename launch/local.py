@@ -139,9 +139,8 @@ class Supervisor:
 
     def _restart_rollout_with_trainer(self) -> None:
         if latest_checkpoint(Path(self.cfg.run_dir) / "checkpoints") is None:
-            logger.warning("no checkpoint under %s yet (trainer.checkpoint_every=%d): the trainer starts "
-                           "again from step 0", Path(self.cfg.run_dir) / "checkpoints",
-                           self.cfg.trainer.checkpoint_every)
+            logger.warning("no checkpoint under %s yet: the trainer starts again from step 0",
+                           Path(self.cfg.run_dir) / "checkpoints")
         if "rollout" in self.due:
             return
         stop_all([self.procs["rollout"]])

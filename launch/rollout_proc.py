@@ -30,6 +30,7 @@ from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.transport.outbox import Outbox, claim_side
 from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
+from async_rl.utils.prompts import prompt_of
 from async_rl.weight_sync.receivers import build_receiver
 from launch.common import effective_threads, mark_up, pin_to_pool
 from launch.procs import run_async, stop_all, with_overrides
@@ -81,6 +82,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
     weights = keeper.receiver if keeper else weights
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
     ledger = Ledger(Path(cfg.run_dir) / "ledger_rollout.jsonl")  # trajectory ids produced (`async-rl audit`)
+    ledger.record("side", producer=producer_id)
     pool.start()
     if keeper:
         keeper.start()
@@ -96,13 +98,12 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
                                                           cfg.rollout.eval_max_new_tokens, mc))
         outbox = Outbox(Path(cfg.run_dir) / "outbox", str(queue.trainer_state.get("run_id", "")))
         queue.on_acked = outbox.ack
-        pending = outbox.pending()  # what this side produced before a crash and the trainer never acknowledged
+        pending = _resendable(outbox, ledger, joined_at)
         controller = RolloutController(cfg, pool, _DurableSink(queue, outbox), queue.controls(), tokenizer, task,
                                        metrics, weights=weights, ledger=ledger)
-        # re-sent groups are not added to the gate's count: the trainer drops those it already has (a
-        # crash before their acknowledgement arrived); the rest can only make the next batch one group
-        # fuller, and the trainer's staleness check still holds
-        controller.join(queue.trainer_state)
+        queue.on_session = controller.trainer_rejoined
+        # the trainer drops re-sent ids it already has; their prompts are not generated again
+        controller.join(queue.trainer_state, resent=[q for g in pending if (q := prompt_of(g[0].info)) is not None])
         mark_up(cfg.run_dir, "rollout")
         if pending:
             logger.info("sending %d groups again that the trainer never acknowledged", len(pending))
@@ -122,6 +123,23 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
         await queue.close()
         ledger.close()
         await pool.close()
+
+
+def _resendable(outbox: Outbox, ledger: Ledger, trainer_version: int) -> list[list]:
+    """The groups this side produced before a restart that the trainer never committed, to send
+    again. A group sampled (in part) by weights newer than the trainer's came from a future its
+    resume threw away: discarded (ledgered; its prompt is generated again), never sent."""
+    keep = []
+    for group in outbox.pending():
+        newest = max(t.newest_version() for t in group)
+        if newest <= trainer_version:
+            keep.append(group)
+            continue
+        ids = [t.id for t in group]
+        ledger.record("discarded", ids, prompt=prompt_of(group[0].info),
+                      reason=f"sampled at v{newest}, newer than the trainer's v{trainer_version} (it resumed)")
+        outbox.ack(ids)
+    return keep
 
 
 class _DurableSink:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,13 +25,17 @@ from tqdm import tqdm
 
 from async_rl.config import Config
 from async_rl.trainer.backends import train_staleness
-from async_rl.utils.ledger import Ledger, roll_back, trained_ids
+from async_rl.trainer.checkpoint import prune_checkpoints
+from async_rl.trainer.trainer import split_by_age
+from async_rl.utils.ledger import Ledger, committed_state
+from async_rl.utils.prompts import PromptSet
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
 from async_rl.utils.cores import refresh_per_layer
 from launch.common import mark_up, setup_cores
+from launch.consumption import CheckpointPolicy, Consumption
 from launch.supervision import Drain, DrainRequested
 from launch.trainer_ranks import follower_main, lead, local_followers, rank_threads
 
@@ -136,10 +141,15 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     publisher = build_publisher(cfg, queue.broadcast)  # weight_sync.transport: disk | zmq | dist
     (run_dir / "trainer_address").write_text(queue.address)
     queue.run_id = _run_id(run_dir, cfg.trainer.resume)
-    start = _resume(cfg, trainer, run_dir, queue) if cfg.trainer.resume else 0
+    start, prompts = _resume(cfg, trainer, run_dir, queue) if cfg.trainer.resume else (0, PromptSet())
     mark_up(run_dir, "trainer")
     ledger = Ledger(run_dir / "ledger_trainer.jsonl")  # trained / dropped ids, checked by `async-rl audit`
-    queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
+    book = Consumption(ledger, queue, prompts)
+    policy = CheckpointPolicy(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_budget)
+    queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size, book.prompts)
+    # a thread lock, not tqdm's default multiprocessing one: a semaphore of a SIGKILLed trainer would be
+    # reported leaked by the launcher's resource tracker at the end of a run that recovered from it
+    tqdm.set_lock(threading.RLock())
     bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,
                dynamic_ncols=True)
     rejoin = _Rejoin(queue, publisher, trainer)
@@ -152,7 +162,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             if cores is not None:
                 cores.idle()
             try:
-                groups = _wait_batch(queue, cfg, on_tick=lambda: (rejoin.check(), drain.check()))
+                groups = _wait_batch(queue, cfg, on_tick=lambda: (rejoin.check(), book.note_sessions(), drain.check()))
             except DrainRequested:
                 break
             wait_s = time.perf_counter() - t0
@@ -160,21 +170,20 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
                 cores.busy()
             if traj_log is not None:
                 _log_trajectories(traj_log, groups, step)
-            floor = trainer.policy_version - train_staleness(cfg)
+            kept, stale, future = split_by_age([t for g in groups for t in g], trainer.policy_version,
+                                               train_staleness(cfg))
             stats = trainer.train_step(groups)
-            dropped = [t.id for g in groups for t in g if t.oldest_version() < floor]
-            if dropped:
-                ledger.record("dropped_stale", dropped, step=step)
             if stats.get("train/skipped_batch"):
                 skipped += 1
-                _skip_batch(queue, groups, trainer.policy_version, skipped)
+                book.consume(step, [], stale, future)
+                _skip_batch(queue, len(stale) + len(future), trainer.policy_version, skipped)
                 continue
-            ledger.record("trained", [t.id for g in groups for t in g if t.oldest_version() >= floor], step=step)
-            queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size)
+            book.consume(step, kept, stale, future)  # room freed; producers told at the next checkpoint
+            queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size,
+                                    book.prompts)
             stats["train/skipped_batches"] = skipped
             t1 = time.perf_counter()
             stats.update(publish_weights(publisher, queue, trainer.state_dict(), trainer.policy_version))
-            queue.ack([t.id for g in groups for t in g])
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
                           "timing/publish_s": time.perf_counter() - t1, "timing/step_s": time.perf_counter() - t0})
@@ -182,11 +191,10 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             bar.set_postfix(reward=f"{stats.get('train/reward_mean', float('nan')):.3f}",
                             v=trainer.policy_version, refresh=False)
             bar.update(1)
-            every = cfg.trainer.checkpoint_every
-            if every and (step + 1) % every == 0 and step + 1 < cfg.total_steps:
-                _checkpoint(trainer, run_dir, step + 1, cfg)
+            if step + 1 < cfg.total_steps and policy.due(step + 1):
+                _checkpoint(trainer, run_dir, step + 1, cfg, policy, book)
             step += 1
-        _checkpoint(trainer, run_dir, step, cfg)  # cfg.total_steps unless drained
+        _checkpoint(trainer, run_dir, step, cfg, policy, book)  # cfg.total_steps unless drained
         queue.broadcast({"kind": "stop", "final_version": trainer.policy_version})
         _wait_producers_gone(queue, timeout=cfg.rollout.connect_timeout_s + 120)
     finally:
@@ -198,11 +206,17 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
         queue.close()
 
 
-def _checkpoint(trainer, run_dir: Path, step: int, cfg: Config) -> None:
+def _checkpoint(trainer, run_dir: Path, step: int, cfg: Config, policy: CheckpointPolicy,
+                book: Consumption) -> None:
+    """Save the checkpoint of `step`, commit what was consumed before it, prune older checkpoints."""
+    t0 = time.monotonic()
     trainer.save_checkpoint(str(run_dir / "checkpoints" / f"step_{step:06d}"), step,
                             {"policy_version": trainer.policy_version, "run_id": _read_run_id(run_dir),
                              "trained_slots": trainer.policy_version * cfg.trainer.batch_size,
                              "rng": trainer.rng_state()})
+    book.commit(step)
+    prune_checkpoints(run_dir / "checkpoints", cfg.trainer.keep_checkpoints)
+    policy.done(time.monotonic() - t0)
 
 
 def _read_run_id(run_dir: Path) -> str:
@@ -232,25 +246,32 @@ def _run_id(run_dir: Path, resume: bool) -> str:
     return run_id
 
 
-def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -> int:
-    """Restore the newest checkpoint (weights, optimizer, version, RNG); return the step to continue at.
-    Metrics rows of steps after it (a run that went on past its last checkpoint) are dropped: those
-    steps are trained again."""
+def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -> tuple[int, PromptSet]:
+    """Restore the newest checkpoint (weights, optimizer, version, RNG), or go back to step 0 with
+    the initial weights when there is none; return the step to continue at and the prompt positions
+    consumed before it. Everything after that step is undone: its metrics rows are dropped, the
+    ledger marks the resume (the audit's final history leaves those steps out), and the ids consumed
+    then are not marked seen, so the rollout side's re-sent copies are trained again."""
     ckpt = _run_checkpoint(run_dir)
     if ckpt is None:
-        logger.warning("trainer.resume: no checkpoint under %s: starting from step 0", run_dir / "checkpoints")
-        return 0
-    meta = trainer.load_checkpoint(str(ckpt))
-    step = int(meta["step"])
+        logger.warning("trainer.resume: no checkpoint under %s: starting again from step 0",
+                       run_dir / "checkpoints")
+        step = 0
+    else:
+        step = int(trainer.load_checkpoint(str(ckpt))["step"])
     path = run_dir / "metrics.jsonl"
     if path.is_file():
         keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
         path.write_text("".join(line + "\n" for line in keep))
-    redone = roll_back(run_dir / "ledger_trainer.jsonl", step)
-    queue.mark_seen(trained_ids(run_dir / "ledger_trainer.jsonl"))  # sent again by a producer: not trained twice
-    logger.info("resumed from %s: step %d, policy version %d (%d trajectories trained after it are rolled back)",
-                ckpt, step, trainer.policy_version, redone)
-    return step
+    ledger_path = run_dir / "ledger_trainer.jsonl"
+    ids, prompts = committed_state(ledger_path, step)
+    ledger = Ledger(ledger_path)
+    ledger.record("resumed", from_step=step)
+    ledger.close()
+    queue.mark_seen(ids)  # sent again by a producer: acknowledged, not trained twice
+    logger.info("resumed from %s: step %d, policy version %d (%d trajectories consumed before it)",
+                ckpt or "the initial weights", step, trainer.policy_version, len(ids))
+    return step, PromptSet(above=prompts)
 
 
 class _Rejoin:
@@ -273,15 +294,12 @@ class _Rejoin:
         publish_weights(self.publisher, self.queue, self.trainer.state_dict(), self.trainer.policy_version)
 
 
-def _skip_batch(queue: TrajectoryQueueServer, groups: list, version: int, skipped: int) -> None:
-    """A batch the trainer dropped whole: counted once, acknowledged, and released from the rollout
-    side's staleness accounting; not a train step."""
-    ids = [t.id for g in groups for t in g]
-    queue.ack(ids)
-    queue.broadcast({"kind": "release", "n": len(ids),
-                     "reason": f"all {len(ids)} trajectories over-stale at version {version}"})
-    logger.warning("skipped batch %d: %d over-stale trajectories dropped, version stays %d",
-                   skipped, len(ids), version)
+def _skip_batch(queue: TrajectoryQueueServer, n: int, version: int, skipped: int) -> None:
+    """A batch the trainer dropped whole (consumed, committed with the next checkpoint): released
+    from the rollout side's staleness accounting; not a train step."""
+    queue.broadcast({"kind": "release", "n": n,
+                     "reason": f"all {n} trajectories over-stale or newer than the weights at version {version}"})
+    logger.warning("skipped batch %d: %d trajectories dropped, version stays %d", skipped, n, version)
 
 
 def _log_trajectories(log: MetricsLogger, groups: list, step: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -32,11 +31,16 @@ from async_rl.rollout.weight_update import update_servers
 from async_rl.types import Sample, SamplingParams, new_id
 from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
+from async_rl.utils.prompts import PROMPT_KEY, PromptSet
 from async_rl.utils.seeding import derive_seed
 from async_rl.weight_sync.receivers import DiskWeightReceiver
 from async_rl.weight_sync.staging import WeightsSuperseded
 
 logger = logging.getLogger(__name__)
+
+
+class TrainerRolledBack(RuntimeError):
+    """The trainer resumed behind this rollout side's version: the side must start again."""
 
 
 class RolloutController:
@@ -68,12 +72,14 @@ class RolloutController:
         self.restarted_stale = 0
         self.superseded = 0  # weight versions skipped: pruned behind newer ones before any server loaded them
         self._attempts: dict[asyncio.Task, int] = {}  # generations in flight -> the version each started under
+        self._running: dict[int, asyncio.Task] = {}  # prompt position -> its group, until generated
+        self._joined_version = 0
         self._stop = asyncio.Event()
         self._error: BaseException | None = None
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
         self._seed = cfg.seed
-        self._skip_samples = 0  # samples of the stream a run in progress has already used (see join)
+        self._skip = PromptSet()  # stream positions not to generate: the trainer holds them, or they are re-sent
         self.tracer = TraceWriter(Path(cfg.run_dir) / "traces.jsonl", cfg.rollout.trace_every) \
             if cfg.rollout.trace_every > 0 else None
         self.agent_context = build_agent_context(cfg.agent, trace=self.tracer)
@@ -121,14 +127,19 @@ class RolloutController:
                 attempt.cancel()
                 self.restarted_stale += 1
 
-    async def _group(self, sample: Sample) -> None:
+    async def _group(self, position: int, sample: Sample) -> None:
         group_id = new_id()
         t0 = time.perf_counter()
-        trajs = await asyncio.gather(*(self._one(sample, group_id, k) for k in range(self.cfg.rollout.group_size)))
+        self._running[position] = asyncio.current_task()
+        try:
+            trajs = await asyncio.gather(*(self._one(sample, group_id, k) for k in range(self.cfg.rollout.group_size)))
+        finally:
+            self._running.pop(position, None)
         for t in trajs:
             t.timings["group_s"] = time.perf_counter() - t0
+            t.info[PROMPT_KEY] = position  # the trainer's and the audit's account of the prompt stream
         if self.ledger is not None:  # before sending: a group lost on the way shows up in the audit
-            self.ledger.record("produced", [t.id for t in trajs])
+            self.ledger.record("produced", [t.id for t in trajs], prompt=position)
         await self.sink.put_group(list(trajs))
         self.groups_pushed += 1
         self.trajectories_pushed += len(trajs)
@@ -147,25 +158,49 @@ class RolloutController:
             self._stop.set()
 
     # ------------------------------------------------------------------ loops
-    async def _admit_loop(self, samples: Iterator[Sample]) -> None:
+    async def _admit_loop(self, samples: Iterator[tuple[int, Sample]]) -> None:
         n = self.cfg.rollout.group_size
         while not self._stop.is_set():
             await self.gate.wait_admit(n)
             if self._stop.is_set():
                 return
-            self._spawn(self._group(next(samples)))
+            self._spawn(self._group(*next(samples)))
 
-    def join(self, trainer_state: dict[str, int]) -> None:
-        """Start from the trainer's accounting when joining a run in progress (WELCOME's state): no
-        prompt is admitted before the trainer's current weights are loaded here."""
+    def _samples(self, seed: int) -> Iterator[tuple[int, Sample]]:
+        """(position, sample) of the task's stream, leaving out the positions in `_skip`."""
+        return ((i, s) for i, s in enumerate(self.task.train_samples(seed)) if i not in self._skip)
+
+    def join(self, trainer_state: dict[str, Any], resent: list[int] = ()) -> None:
+        """Start from the trainer's accounting (WELCOME's state): the staleness bound's count, and
+        the prompt positions it holds; with the positions of the groups this side sends again (counted
+        by the gate unless the trainer holds them), those are not generated, every other one is (a dead
+        side's unfinished prompts included). When
+        joining a run in progress, no prompt is admitted before the trainer's weights are loaded here."""
         version, admitted = int(trainer_state.get("policy_version", 0)), int(trainer_state.get("admitted", 0))
+        self._joined_version = version
+        held = trainer_state.get("prompts")
+        self._skip = held.copy() if isinstance(held, PromptSet) else PromptSet()
+        # re-sent groups the trainer does not hold yet count against the bound like new ones: uncounted,
+        # they would keep one batch more in the pipeline for the rest of the run (every batch staler)
+        admitted += self.cfg.rollout.group_size * len({q for q in resent if q not in self._skip})
+        self._skip.update(resent)
         if version == 0 and admitted == 0:
             return
         self.gate.join(admitted)
-        # the data stream goes on where the run is: one sample per group already counted
-        self._skip_samples = admitted // self.cfg.rollout.group_size
-        logger.info("joining a run in progress at version %d (%d trajectories already counted): "
-                    "generating once its weights are loaded", version, admitted)
+        logger.info("joining a run in progress at version %d (%d trajectories already counted, prompts from "
+                    "position %d on): generating once its weights are loaded", version, admitted, self._skip.low)
+
+    def trainer_rejoined(self, trainer_state: dict[str, Any]) -> None:
+        """A later WELCOME (the trainer restarted, or timed this side out). A trainer that went back
+        to an earlier version (it resumed from a checkpoint) threw away the weights this side samples
+        with, and its version numbers will name other weights: this side must start again."""
+        version = int(trainer_state.get("policy_version", 0))
+        if version < max(self.gate.version, self._joined_version):
+            self._error = TrainerRolledBack(
+                f"the trainer resumed at version {version}, behind this side's v{self.gate.version}: it went back to a "
+                "checkpoint, so this side's weights and in-flight work belong to a discarded future; restart the "
+                "rollout side (`async-rl run` does so itself) and it continues from the trainer's state")
+            self._stop.set()
 
     async def apply_weights(self, msg: dict[str, Any]) -> None:
         version = int(msg["version"])
@@ -239,7 +274,7 @@ class RolloutController:
             self.periodic_eval.started = time.perf_counter()  # the training clock starts with generation
         if self.metrics is not None:  # when generation began: whole-run throughput is measured from here
             self.metrics.log({"rollout/generation_started": 1.0}, step=0)
-        samples = itertools.islice(self.task.train_samples(seed), self._skip_samples, None)
+        samples = self._samples(seed)
         if self._own_pool:
             self.pool.start()
         admit = asyncio.create_task(self._admit_loop(samples))
@@ -252,13 +287,17 @@ class RolloutController:
             admit.cancel()
             control.cancel()
             pending = list(self._tasks)
+            unfinished = sorted(self._running)
             for t in [*pending, *self._attempts]:
                 t.cancel()
             await asyncio.gather(admit, control, *pending, *self._attempts, return_exceptions=True)
             if pending:
                 logger.info("abandoned %d unfinished groups at the end of the run", len(pending))
                 if self.ledger is not None:
-                    self.ledger.record("abandoned_groups", count=len(pending))
+                    # at the end of the run their prompts are reported; a side stopped mid-run leaves
+                    # them to the next one, which generates them again
+                    self.ledger.record("abandoned_groups", count=len(pending),
+                                       prompts=unfinished if self.final_version is not None else [])
             if self.periodic_eval is not None:
                 await self.periodic_eval.close()
             if self.tracer is not None:

@@ -111,3 +111,16 @@ def hf_exporter(model_config: Any, tokenizer: Any) -> Callable[[Path], None]:
         config.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
     return export
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints under `root` (0 = keep all); return what went."""
+    root = Path(root)
+    if keep <= 0 or not root.is_dir():
+        return []
+    found = sorted((int(m.group(1)), d) for d in root.iterdir()
+                   if (m := _NAME.match(d.name)) and (d / "meta.json").is_file())
+    gone = [d for _, d in found[:-keep]]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone

@@ -10,7 +10,9 @@ versions older than `policy_version`, (2) computes group-relative advantages, (3
 recomputes proximal log-probs with the current weights, (4) takes `cfg.minibatches`
 AdamW steps on the decoupled PPO loss, each accumulating gradients over micro-batches
 of at most `cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
-A batch whose every trajectory is over-stale is not a train step: nothing is updated, the
+A trajectory sampled (in part) by weights NEWER than `policy_version` comes from a future a
+resume threw away (the trainer went back to a checkpoint): it is dropped too, and counted
+(`train/dropped_future`). A batch whose every trajectory is dropped is not a train step: nothing is updated, the
 version stays, and the stats say `train/skipped_batch` (the caller tells the rollout side,
 whose staleness gate then stops counting those trajectories) — a side that fell behind
 cannot make the trainer spin through versions without training.
@@ -44,6 +46,18 @@ _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0,
               "train/num_tokens": 0.0, "train/optimizer_steps": 0.0, "train/skipped_nonfinite": 0.0}
 
 
+def split_by_age(trajs: list[Trajectory], policy_version: int,
+                 max_staleness: int) -> tuple[list[Trajectory], list[Trajectory], list[Trajectory]]:
+    """(kept, over-stale, from the future): the one rule of which trajectories a step may train.
+    Over-stale: the oldest sampled token is more than `max_staleness` versions behind; from the
+    future: a sampled token is newer than `policy_version` (weights a resume discarded)."""
+    floor = policy_version - max_staleness
+    kept, stale, future = [], [], []
+    for t in trajs:
+        (future if t.newest_version() > policy_version else stale if t.oldest_version() < floor else kept).append(t)
+    return kept, stale, future
+
+
 class PPOTrainer:
     """Decoupled PPO on an HF causal LM; `policy_version` is the version of the current weights."""
 
@@ -74,15 +88,15 @@ class PPOTrainer:
         """Train on `groups` (each the samples of one prompt) and advance policy_version; return stats."""
         t0 = time.perf_counter()
         trajs = [t for g in groups for t in g]
-        floor = self.policy_version - self.max_staleness
-        kept = [t for t in trajs if t.oldest_version() >= floor]
+        kept, stale, future = split_by_age(trajs, self.policy_version, self.max_staleness)
         stats = self._batch_stats(trajs, kept)
+        stats["train/dropped_stale"] = float(len(stale))
+        stats["train/dropped_future"] = float(len(future))
         stats.update(self._version_stats(trajs))
         if not kept:
-            oldest = min((t.oldest_version() for t in trajs), default=-1)
-            logger.warning("batch of %d trajectories dropped whole at version %d: all sampled before version %d "
-                           "(oldest v%d) -- the rollout side is behind; no train step, the version stays",
-                           len(trajs), self.policy_version, floor, oldest)
+            logger.warning("batch of %d trajectories dropped whole at version %d: %d sampled more than %d versions "
+                           "before, %d by newer weights than these -- no train step, the version stays",
+                           len(trajs), self.policy_version, len(stale), self.max_staleness, len(future))
             stats.update(_NO_UPDATE)
             stats["train/skipped_batch"] = 1.0
             stats["timing/train_s"] = time.perf_counter() - t0
@@ -132,19 +146,19 @@ class PPOTrainer:
             "train/reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
             "train/reward_std": float(rewards.std()) if len(trajs) else 0.0,
             "train/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
-            "train/dropped_stale": float(len(trajs) - len(kept)),
             "train/num_trajectories": float(len(kept)),
             "rollout/interrupted": float(sum(1 for t in trajs if t.num_interruptions > 0)),
         }
 
     def _version_stats(self, trajs: list[Trajectory]) -> dict[str, Any]:
         """How old each arriving trajectory is (lag of its oldest sampled token, a histogram over
-        0..max_staleness and beyond) and how many policy versions sampled its tokens."""
+        0..max_staleness and beyond; newer than the weights counts in dropped_future, not here) and
+        how many policy versions sampled its tokens."""
         hist = [0] * (self.max_staleness + 2)  # the last bin counts anything older than the bound
         mixed = []
         for t in trajs:
             sampled = t.versions[t.loss_mask.astype(bool)]
-            if len(sampled):
+            if len(sampled) and int(sampled.max()) <= self.policy_version:
                 hist[min(self.policy_version - int(sampled.min()), self.max_staleness + 1)] += 1
                 mixed.append(len(np.unique(sampled)))
         return {"train/staleness_hist": hist,

@@ -73,6 +73,7 @@ class TrajectoryQueueClient:
         self.capacity = 0
         self.trainer_state: dict[str, Any] = {}  # from WELCOME: policy_version, admitted, run_id
         self.on_acked: Callable[[list[str]], None] | None = None  # ids the trainer consumed (the outbox forgets them)
+        self.on_session: Callable[[dict[str, Any]], None] | None = None  # a later WELCOME's trainer_state
         self._granted = self._sent = self._want = 0  # this session's credit counts (see messages.py)
         self._registered = False
         self._session = 0  # number of the last HELLO sent
@@ -274,8 +275,11 @@ class TrajectoryQueueClient:
     def _on_welcome(self, msg: Welcome) -> None:
         self.capacity, self._granted, self._sent, self._want = msg.capacity, msg.granted, 0, 0
         self._registered = True
-        self.trainer_state = {"policy_version": msg.policy_version, "admitted": msg.admitted, "run_id": msg.run_id}
+        self.trainer_state = {"policy_version": msg.policy_version, "admitted": msg.admitted, "run_id": msg.run_id,
+                              "prompts": msg.prompts}
         self._counts["queue/sessions"] += 1
+        if self._counts["queue/sessions"] > 1 and self.on_session is not None:
+            self.on_session(self.trainer_state)
         if self._counts["queue/sessions"] > 1 and self._groups:
             logger.info("new session with the trainer: re-sending %d unacknowledged groups", len(self._groups))
         self._counts["queue/resent"] += sum(g.size for s, g in self._groups.items() if s not in self._waiters)

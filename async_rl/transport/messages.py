@@ -19,11 +19,12 @@ so a lost or repeated message never leaks or double-counts capacity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Union
 
 from async_rl.transport.codec import decode, encode
 from async_rl.types import Trajectory, WireFormatError
+from async_rl.utils.prompts import PromptSet
 
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 200
@@ -152,7 +153,9 @@ class Welcome:
 
     It also carries the trainer's accounting, so a side that (re)joins mid-run starts where the
     run is: `policy_version` (the weights it must load before generating) and `admitted`
-    (trajectories the staleness bound already counts: trained batch slots + what is buffered)."""
+    (trajectories the staleness bound already counts: trained batch slots + what is buffered)
+    and `prompts`, the stream positions consumed, buffered or in training: the side generates
+    every other position from the set's low-water mark on, none of those."""
 
     KIND: ClassVar[bytes] = WELCOME
     capacity: int
@@ -162,11 +165,12 @@ class Welcome:
     policy_version: int = 0
     admitted: int = 0
     run_id: str = ""  # the trainer's run (a producer's durable outbox belongs to one run)
+    prompts: PromptSet = field(default_factory=PromptSet)
 
     def to_wire(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "granted": self.granted, "session": self.session,
                 "protocol": self.protocol, "policy_version": self.policy_version, "admitted": self.admitted,
-                "run_id": self.run_id}
+                "run_id": self.run_id, "prompts": self.prompts.to_wire()}
 
     @classmethod
     def from_wire(cls, d: Any) -> "Welcome":
@@ -176,7 +180,15 @@ class Welcome:
         return cls(capacity=capacity, granted=_count(d, "granted", "WELCOME"),
                    session=_count(d, "session", "WELCOME", 0), protocol=_get(d, "protocol", int, "WELCOME"),
                    policy_version=_count(d, "policy_version", "WELCOME", 0),
-                   admitted=_count(d, "admitted", "WELCOME", 0), run_id=_get(d, "run_id", str, "WELCOME", ""))
+                   admitted=_count(d, "admitted", "WELCOME", 0), run_id=_get(d, "run_id", str, "WELCOME", ""),
+                   prompts=_prompt_set(_get(d, "prompts", dict, "WELCOME", {}), "WELCOME.prompts"))
+
+
+def _prompt_set(d: dict[str, Any], where: str) -> PromptSet:
+    try:
+        return PromptSet.from_wire(d)
+    except ValueError as exc:
+        raise WireFormatError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,6 +12,10 @@ Delivery is at least once on the wire and exactly once into training: a producer
 every trajectory until the trainer acknowledges it (CREDIT.acks) and re-sends what is
 unacknowledged when it starts a new session (the trainer restarted, or timed it out);
 the trainer drops ids it has already received and counts them (`queue/duplicates`).
+Consuming a trajectory (`ack(ids, commit=False)`) frees its room at once, but producers are
+told only when the trainer `commit`s it, i.e. once a checkpoint holds the training it went
+into: a trainer that crashes before that gets it sent again, not lost. A re-sent id the
+trainer consumed but has not committed is dropped and acknowledged at the next commit.
 
 With `curve_keys_dir` the connection is encrypted and only producers with an authorised
 client key get past the handshake (`auth.py`); refused handshakes count in `queue/auth_refused`.
@@ -47,6 +51,7 @@ from async_rl.transport.messages import (
 from async_rl.transport.peers import (  # noqa: F401  (errors re-exported: callers import them from here)
     PeerTimeoutError, PeerUnreachableError, QueueTimeout, _check_addr, _check_timing, _Producer, _RecentIds)
 from async_rl.types import Trajectory, WireFormatError
+from async_rl.utils.prompts import PromptSet, prompt_of
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +92,13 @@ class TrajectoryQueueServer:
         self._cond = threading.Condition()
         self._buffer: deque[list[Trajectory]] = deque()
         self._buffered = 0
-        self._handed: set[str] = set()  # given out by get_groups(ack=False), not yet acknowledged
+        self._handed: dict[str, int | None] = {}  # given out by get_groups(ack=False), not yet consumed -> prompt
         self._counts = dict.fromkeys(("queue/received", "queue/groups", "queue/consumed", "queue/producers",
                                       "queue/credits_out", "queue/duplicates", "queue/malformed", "queue/overrun",
                                       "queue/unknown_peer", "queue/lost_producers", "queue/send_failed",
                                       "queue/sessions"), 0)
         self._trainer_state = (0, 0)  # (policy_version, trained batch slots): told to every producer that joins
+        self._consumed_prompts = PromptSet()  # stream positions the trainer consumed (told to producers that join)
         self.run_id = ""  # the run this trainer belongs to (told to producers: their outboxes are per run)
         self._counts["queue/auth_refused"] = 0  # handshakes refused by CURVE/ZAP (auth.py)
         self._error: BaseException | None = None
@@ -100,6 +106,8 @@ class TrajectoryQueueServer:
         self._producers: dict[bytes, _Producer] = {}
         self._owner: dict[str, bytes] = {}  # trajectory id -> producer identity, until acknowledged
         self._seen = _RecentIds(dedup_window)
+        self._committed = _RecentIds(dedup_window)  # ids whose consumption a checkpoint holds
+        self._producer_names: list[str] = []  # every producer that said HELLO, in order (the trainer's ledger)
         self._quiet_until = 0.0  # no malformed-message warning before this time (monotonic)
         self._outbox: deque[tuple[str, Any]] = deque()
         self._bulk = BulkLedger()  # bytes of BULK messages each producer has not acknowledged yet
@@ -135,22 +143,29 @@ class TrajectoryQueueServer:
             if ack:
                 self._counts["queue/consumed"] += taken
             else:
-                self._handed.update(ids)
+                self._handed.update((t.id, prompt_of(t.info)) for g in groups for t in g)
         if ack:
             self._post("ack", ids)
         return groups
 
-    def ack(self, ids: Iterable[str]) -> None:
-        """Acknowledge trajectories returned by get_groups(ack=False): frees their room, tells producers."""
+    def ack(self, ids: Iterable[str], *, commit: bool = True) -> None:
+        """Consume trajectories returned by get_groups(ack=False): frees their room; with `commit`,
+        tells their producers at once, else at a later `commit(ids)`."""
         ids = list(ids)
         with self._cond:
             unknown = [i for i in ids if i not in self._handed]
             if unknown:
                 raise ValueError(f"ack: trajectory {unknown[0]!r} was not handed out by get_groups(ack=False) "
                                  "or is already acknowledged")
-            self._handed.difference_update(ids)
+            for tid in ids:
+                del self._handed[tid]
             self._counts["queue/consumed"] += len(ids)
-        self._post("ack", ids)
+        if commit:
+            self._post("ack", ids)
+
+    def commit(self, ids: Iterable[str]) -> None:
+        """The consumption of `ids` is durable (a checkpoint holds it): their producers may forget them."""
+        self._post("ack", list(ids))
 
     def broadcast(self, control: dict[str, Any], wait_s: float | None = None, *, parts: list[Any] | None = None,
                   window_bytes: int | None = None) -> BulkTicket | None:
@@ -193,14 +208,23 @@ class TrajectoryQueueServer:
         return BulkTicket(self._bulk, seq, sum(sizes))
 
     def mark_seen(self, ids: Iterable[str]) -> None:
-        """Ids trained before this process started (a resumed trainer): a producer that sends them
-        again gets them acknowledged as duplicates, never trained twice."""
+        """Ids consumed and committed before this process started (a resumed trainer): a producer
+        that sends them again gets them acknowledged as duplicates, never trained twice."""
         self._post("seen", list(ids))
 
-    def set_trainer_state(self, policy_version: int, trained_slots: int) -> None:
-        """What a producer that joins from now on is told: the version of the current weights and the
-        trajectories the staleness bound already counts (trained batch slots; the buffer is added)."""
-        self._trainer_state = (int(policy_version), int(trained_slots))
+    def set_trainer_state(self, policy_version: int, trained_slots: int, prompts: PromptSet | None = None) -> None:
+        """What a producer that joins from now on is told: the version of the current weights, the
+        trajectories the staleness bound already counts (trained batch slots; the buffer is added)
+        and the stream positions consumed (the buffer's are added)."""
+        with self._cond:
+            self._trainer_state = (int(policy_version), int(trained_slots))
+            if prompts is not None:
+                self._consumed_prompts = prompts.copy()
+
+    def producer_names(self) -> list[str]:
+        """Every producer id that has said HELLO to this trainer, in order of first HELLO."""
+        with self._cond:
+            return list(self._producer_names)
 
     def stats(self) -> dict[str, int]:
         with self._cond:
@@ -316,12 +340,16 @@ class TrajectoryQueueServer:
             self._bulk.open(identity)
             self._set_producer_count()
             logger.info("producer %s connected", msg.producer_id)
-            version, slots = self._trainer_state
             with self._cond:
+                if msg.producer_id not in self._producer_names:
+                    self._producer_names.append(msg.producer_id)
+                version, slots = self._trainer_state
                 self._counts["queue/sessions"] += 1
                 admitted = slots + self._buffered + len(self._handed)
+                held = self._held_prompts()
             self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session,
-                                         policy_version=version, admitted=admitted, run_id=self.run_id))
+                                         policy_version=version, admitted=admitted, run_id=self.run_id,
+                                         prompts=held))
             return
         if producer is None:  # we restarted or timed it out: it must say HELLO (and re-send) first
             self._count("queue/unknown_peer")
@@ -355,7 +383,12 @@ class TrajectoryQueueServer:
             dups = [t.id for t in group.trajectories if t.id in self._seen]
             self._count("queue/duplicates", len(dups))
             logger.info("dropped %d re-sent trajectories from %s", len(dups), producer.name)
-            self._send(producer.identity, Credit(granted=producer.granted, acks=tuple(dups)))
+            done = tuple(i for i in dups if i in self._committed)
+            for tid in dups:  # consumed, not committed yet: acknowledged to this producer at the commit
+                if tid not in self._committed:
+                    self._owner[tid] = producer.identity
+            if done:
+                self._send(producer.identity, Credit(granted=producer.granted, acks=done))
         if not fresh:
             return
         for t in fresh:
@@ -381,6 +414,7 @@ class TrajectoryQueueServer:
             elif what == "seen":
                 for tid in item:
                     self._seen.add(tid)
+                    self._committed.add(tid)
             elif what == "bulk":
                 seq, targets, bulk = item
                 frames = bulk.frames()
@@ -390,6 +424,7 @@ class TrajectoryQueueServer:
                 del item, bulk, frames
             else:
                 for tid in item:
+                    self._committed.add(tid)
                     identity = self._owner.pop(tid, None)
                     if identity is not None and identity in self._producers:
                         acks.setdefault(identity, []).append(tid)
@@ -441,6 +476,14 @@ class TrajectoryQueueServer:
             logger.debug("send to %r failed: %s", identity[:40], exc)
             return False
         return True
+
+    def _held_prompts(self) -> PromptSet:
+        """Positions consumed, buffered or being trained: what a joining producer must not generate
+        again (under _cond)."""
+        held = self._consumed_prompts.copy()
+        held.update(q for g in self._buffer for t in g if (q := prompt_of(t.info)) is not None)
+        held.update(q for q in self._handed.values() if q is not None)
+        return held
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._cond:

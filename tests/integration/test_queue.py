@@ -232,7 +232,8 @@ def test_resent_duplicates_are_dropped_counted_and_acknowledged():
     with TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8, **FAST) as server:
         raw = _raw_producer(server, "dup")
         assert _recv(raw, b"WELCOME") == {"capacity": 8, "granted": 0, "session": 0, "protocol": 1,
-                                      "policy_version": 0, "admitted": 0, "run_id": ""}
+                                      "policy_version": 0, "admitted": 0, "run_id": "",
+                                      "prompts": {"low": 0, "above": []}}
         group = {"seq": 1, "trajectories": [t.to_wire() for t in make_group("dup", 0, 4)]}
         raw.send_multipart([b"HB", encode({"want": 4})])
         assert _recv(raw, b"CREDIT")["granted"] == 4
@@ -240,10 +241,15 @@ def test_resent_duplicates_are_dropped_counted_and_acknowledged():
         raw.send_multipart([b"HB", encode({"want": 8})])
         assert _recv(raw, b"CREDIT")["granted"] == 8
         raw.send_multipart([b"GROUP", encode(group)])  # the same ids again, as after a reconnect
-        assert sorted(_recv(raw, b"CREDIT")["acks"]) == [f"dup-0-{j}" for j in range(4)]
+        wait_until(lambda: server.stats()["queue/duplicates"] == 4, 5, "the copies counted")
         stats = server.stats()
-        assert stats["queue/duplicates"] == 4 and stats["queue/received"] == 4 and stats["queue/depth"] == 4
-        assert len(server.get_groups(4, timeout=1)) == 1
+        assert stats["queue/received"] == 4 and stats["queue/depth"] == 4
+        end = time.monotonic() + 0.3
+        while raw.poll(max(1, int((end - time.monotonic()) * 1000))):
+            kind, payload = raw.recv_multipart()
+            assert not (kind == b"CREDIT" and decode(payload)["acks"]), "acknowledged before the commit"
+        assert len(server.get_groups(4, timeout=1)) == 1  # consumed and committed at once (ack=True)
+        assert sorted(_recv(raw, b"CREDIT")["acks"]) == [f"dup-0-{j}" for j in range(4)]
         with pytest.raises(QueueTimeout):
             server.get_groups(1, timeout=0.3)
         raw.close(0)
@@ -263,6 +269,23 @@ def test_unacknowledged_room_is_held_until_ack(loop):
         wait_until(lambda: client.unacked == 4, 5, "the first group acknowledged")
         with pytest.raises(ValueError, match="a-0-0"):
             server.ack(["a-0-0"])
+        loop.run(client.close())
+
+
+def test_consumed_ids_are_acknowledged_to_their_producer_only_when_committed(loop):
+    """The producer keeps what the trainer consumed until a checkpoint commits it: a re-sent copy
+    (the producer reconnected) is dropped, and acknowledged with the rest at the commit."""
+    with TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8, **FAST) as server:
+        client = TrajectoryQueueClient(server.address, producer_id="a", **FAST)
+        loop.run(client.connect(5))
+        loop.run(client.put_group(make_group("a", 0, 4)))
+        ids = [t.id for g in server.get_groups(4, timeout=5, ack=False) for t in g]
+        server.ack(ids, commit=False)
+        loop.run(client.put_group(make_group("a", 1, 4)))  # room was freed at once
+        time.sleep(0.5)
+        assert client.unacked == 8  # nothing acknowledged to the producer yet
+        server.commit(ids)
+        wait_until(lambda: client.unacked == 4, 5, "the committed group acknowledged")
         loop.run(client.close())
 
 
