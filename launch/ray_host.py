@@ -114,7 +114,7 @@ class ProcessHost:
         from launch.servers import SERVER_LAUNCHERS
 
         self.cfg = config_from_yaml_text(cfg_yaml)
-        self.proc, url = SERVER_LAUNCHERS[self.cfg.engine.backend](self.cfg, index)
+        self.proc, url = SERVER_LAUNCHERS[self.cfg.engine.backend](self.cfg, index, {})
         return url
 
     def poll(self) -> tuple[int | None, str]:

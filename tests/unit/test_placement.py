@@ -47,6 +47,18 @@ def test_one_gpu_is_shared_with_an_explicit_memory_split():
     assert for_process(split, "trainer", plan.trainer).trainer.device == "cuda:0"
 
 
+def test_sglang_sharing_a_gpu_gets_mem_fraction_static():
+    from launch.sglang_server import sglang_command
+
+    c = cfg("engine.backend=sglang", "model.name=/models/x")
+    plan = place(c, visible=1)
+    cmd = sglang_command(for_process(c, "rollout", plan.servers[0]), 30000)
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.4"
+    alone = place(c, visible=2).servers[0]  # a GPU of its own: SGLang sizes its memory itself
+    assert alone.env() == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert "--mem-fraction-static" not in sglang_command(for_process(c, "rollout", alone), 30000)
+
+
 def test_dist_with_both_sides_on_one_gpu_is_refused_saying_what_to_use():
     with pytest.raises(ConfigError, match=r"^weight_sync.transport: dist needs the trainer and the generation server "
                                           r"on different GPUs \(NCCL refuses two ranks on one GPU, NVIDIA/nccl#418\), "
