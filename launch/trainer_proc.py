@@ -8,7 +8,9 @@ the queue, metrics, checkpoints and publishing; ranks 1..N-1 only train, followi
 in lock step (launch/trainer_ranks.py). `trainer_main` is rank 0 and starts ranks 1..N-1
 as its own child processes; a launcher that places ranks itself (Ray) calls
 `trainer_rank_main` once per rank with the same master address and port, where rank 0
-will host the rendezvous store, and `local_rank` the device index on that rank's node.
+will host the rendezvous store. A rank's device comes from async_rl.placement: in a trainer
+process given a pool of GPUs (`trainer.device=cuda`) rank r takes the r-th (`local_rank`
+overrides r); a rank given its own GPU (Ray: `cuda:0`) takes that one.
 """
 
 from __future__ import annotations

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from async_rl.config import Config, load_config
-from async_rl.placement import GpuSlot, place
+from async_rl.placement import GpuSlot, for_process, place, ray_slot
 from launch import servers
 from launch.local import child_launches
 from launch.procs import spawn
 from launch.rollout_proc import restart_server, server_config, start_servers
+from launch.trainer_ranks import _rank_cfg
 
 
 def cfg(tmp_path: Path, *overrides: str) -> Config:
@@ -31,6 +32,14 @@ def test_local_children_get_their_pools(tmp_path):
     rollout_cfg, rollout_env, rollout_kwargs = launches["rollout"]
     assert rollout_env == {"CUDA_VISIBLE_DEVICES": ""}  # the controller starts servers but uses no GPU
     assert [GpuSlot.from_wire(s).visible for s in rollout_kwargs["servers"]] == ["6", "7"]
+
+
+def test_each_trainer_rank_builds_on_its_own_gpu(tmp_path):
+    c = cfg(tmp_path, "trainer.backend=fsdp", "trainer.world_size=2")
+    pool = child_launches(c, place(c, visible=8))["trainer"][0]  # one process, its ranks its children
+    assert [_rank_cfg(pool, r, None).trainer.device for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    own = for_process(c, "trainer", ray_slot(c, "trainer", [5]))  # Ray: each rank's process has its one GPU
+    assert _rank_cfg(own, 1, None).trainer.device == "cuda:0"
 
 
 def test_a_cpu_run_starts_its_children_as_before(tmp_path):
