@@ -87,6 +87,14 @@ def place_here(cfg: Config, sides: tuple[str, ...] = SIDES) -> Placement:
     return plan
 
 
+def cap_gpu_memory(device: str, fraction: float) -> None:
+    """Hold this process to `fraction` of its GPU's memory (0 = no cap): the two sides of a GPU that
+    trainer and engine share each keep to their part of the split."""
+    if fraction > 0 and device.startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
+        logger.info("GPU memory: this process keeps to %.0f%% of %s", 100 * fraction, device)
+
+
 def check_agents(cfg: Config) -> None:
     """Before any process starts: `agent.modules` import, the tools and interactions YAML load, and
     every agent loop and interaction the task's samples name is registered. One clear error here,

@@ -68,7 +68,8 @@ class Drained(SystemExit):
 
 def child_launches(cfg: Config, plan: Placement) -> dict[str, tuple[Config, dict[str, str], dict]]:
     """What each child of TARGETS is started with: (config, environment added, keyword arguments)."""
-    return {"trainer": (for_process(cfg, TRAINER, plan.trainer), plan.trainer.env(), {}),
+    trainer_kwargs = {"gpu_memory_fraction": plan.trainer.memory_fraction} if plan.trainer.memory_fraction else {}
+    return {"trainer": (for_process(cfg, TRAINER, plan.trainer), plan.trainer.env(), trainer_kwargs),
             "rollout": (cfg, plan.cpu.env(), {"servers": [s.to_wire() for s in plan.servers]})}
 
 

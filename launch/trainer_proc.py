@@ -32,7 +32,7 @@ from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
 from async_rl.utils.cores import refresh_per_layer
-from launch.common import mark_up, setup_cores
+from launch.common import cap_gpu_memory, mark_up, setup_cores
 from launch.supervision import Drain, DrainRequested
 from launch.trainer_ranks import follower_main, lead, local_followers, rank_threads
 
@@ -100,8 +100,10 @@ def publish_weights(publisher: WeightPublisher, queue: TrajectoryQueueServer, st
     return dict(getattr(publisher, "stats", {}))
 
 
-def trainer_main(cfg: Config) -> None:
-    """Rank 0 on this machine; ranks 1..trainer.world_size-1 run as its child processes."""
+def trainer_main(cfg: Config, gpu_memory_fraction: float = 0.0) -> None:
+    """Rank 0 on this machine; ranks 1..trainer.world_size-1 run as its child processes.
+    `gpu_memory_fraction`: the trainer's part of a GPU it shares with the engine (placement; 0 = all)."""
+    cap_gpu_memory(cfg.trainer.device, gpu_memory_fraction)
     with local_followers(cfg) as (master_addr, master_port, check_followers):
         trainer_rank_main(cfg, 0, cfg.trainer.world_size, master_addr, master_port,
                           check_followers=check_followers)

@@ -28,10 +28,16 @@ def test_local_children_get_their_pools(tmp_path):
     launches = child_launches(c, place(c, visible=4, mask="4,5,6,7"))
     trainer_cfg, trainer_env, trainer_kwargs = launches["trainer"]
     assert trainer_env == {"CUDA_VISIBLE_DEVICES": "4,5"} and trainer_cfg.trainer.device == "cuda"
-    assert trainer_kwargs == {}
+    assert trainer_kwargs == {}  # a GPU pool of its own: no memory cap
     rollout_cfg, rollout_env, rollout_kwargs = launches["rollout"]
     assert rollout_env == {"CUDA_VISIBLE_DEVICES": ""}  # the controller starts servers but uses no GPU
     assert [GpuSlot.from_wire(s).visible for s in rollout_kwargs["servers"]] == ["6", "7"]
+
+
+def test_a_shared_gpu_caps_the_trainer_at_its_part(tmp_path):
+    c = cfg(tmp_path, "engine.gpu_memory_fraction=0.25")
+    trainer_cfg, env, kwargs = child_launches(c, place(c, visible=1))["trainer"]
+    assert env == {"CUDA_VISIBLE_DEVICES": "0"} and kwargs == {"gpu_memory_fraction": 0.75}
 
 
 def test_each_trainer_rank_builds_on_its_own_gpu(tmp_path):
@@ -90,6 +96,19 @@ def test_sglang_runs_on_its_placed_gpu_within_the_inherited_mask(tmp_path, monke
         sglang_server.start_sglang(server_config(c, 1, 2, slot), 1, slot.env())
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "6"  # physical: the trainer has 4, server 0 has 5
     assert seen["cmd"][seen["cmd"].index("--port") + 1] == "30001"
+
+
+@pytest.mark.gpu
+def test_the_engine_sizes_its_kv_pool_from_its_share_of_the_gpu(tmp_path):
+    import torch
+
+    from launch.serve import gpu_engine_config
+
+    c = cfg(tmp_path, "engine.gpu_memory_fraction=0.2", "engine.kv_cache_mb=1")
+    engine = gpu_engine_config(c, torch.device("cuda:0"))
+    total = torch.cuda.mem_get_info(0)[1]
+    assert 1 < engine.kv_cache_mb * 2**20 < 0.2 * total  # not the CPU budget, never past its share
+    assert gpu_engine_config(c, torch.device("cpu")).kv_cache_mb == 1
 
 
 def _write_env(cfg: Config, out: str) -> None:
