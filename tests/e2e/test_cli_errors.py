@@ -85,6 +85,8 @@ def test_unreachable_trainer(tmp_path):
     (["run", "engine.backend=sglang", "engine.device=cpu"], "engine.device: engine.backend=sglang runs on CUDA GPUs"),
     (["rollout", "transport.addr=tcp://127.0.0.1:9", "engine.device=cpu", "cluster.rollout_gpus=[0]"],
      "cluster.rollout_gpus: lists GPUs, but the rollout side runs on cpu"),
+    (["run", "launcher=ray", "trainer.device=cpu", "ray.num_gpus_per_trainer=1"],
+     "ray.num_gpus_per_trainer: trainer.device=cpu, so a trainer would hold a GPU it never uses"),
 ])
 def test_gpu_placement_mistakes_stop_before_any_process_starts(args, needle, tmp_path):
     """async_rl/placement.py refuses what cannot be placed in the launcher (tests/unit/test_placement.py

@@ -10,6 +10,7 @@ import pytest
 from async_rl.config import ConfigError, load_config
 from async_rl.placement import (ALONE_ENGINE_FRACTION, SHARED_ENGINE_FRACTION, for_process, kv_cache_bytes, place,
                                 rank_device, ray_gpus, ray_slot)
+from launch.ray_host import plan as ray_plan
 
 FSDP2 = ("trainer.backend=fsdp", "trainer.world_size=2")
 
@@ -169,9 +170,12 @@ def test_memory_fraction_must_leave_the_trainer_something():
 
 
 # ---------------------------------------------------------------------------------------- Ray
-def test_ray_bundle_gpus_are_whole_where_a_side_runs_on_cuda():
-    assert ray_gpus(cfg(), 8) == {"trainer": 1.0, "server": 1.0}
-    assert ray_gpus(cfg(), 0) == {"trainer": 0.0, "server": 0.0}  # a CPU cluster: as before
+def test_ray_bundles_are_whole_gpus_where_a_side_runs_on_cuda():
+    slots = ray_plan(cfg(*FSDP2, "rollout.num_servers=2"), cluster_gpus=8)
+    bundles = {s.name: s.bundle for s in slots}
+    assert [bundles[n]["GPU"] for n in ("server", "server1", "trainer0", "trainer1")] == [1.0] * 4
+    assert "GPU" not in bundles["rollout"]
+    assert all("GPU" not in s.bundle for s in ray_plan(cfg(*FSDP2), cluster_gpus=0))  # a CPU cluster: as before
     assert ray_gpus(cfg("engine.device=cpu"), 8) == {"trainer": 1.0, "server": 0.0}
     assert ray_gpus(cfg("engine.backend=sglang", "trainer.device=cpu"), 0) == {"trainer": 0.0, "server": 1.0}
     assert ray_gpus(cfg("ray.num_gpus_per_trainer=1"), 0)["trainer"] == 1.0  # asked for: placement says if it fits
