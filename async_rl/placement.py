@@ -105,16 +105,17 @@ def _on_cuda(cfg: Config, side: str, auto: bool) -> bool:
     return auto if spec == "auto" else spec != "cpu"
 
 
-def _wants_cuda(cfg: Config, side: str, visible: int) -> bool:
+def _wants_cuda(cfg: Config, side: str, visible: int, mask: str | None) -> bool:
     if not _on_cuda(cfg, side, auto=visible > 0):
         return False
     if visible:
         return True
+    none = "none is visible here" + (f" (CUDA_VISIBLE_DEVICES={mask!r})" if mask is not None else "")
     if side == ROLLOUT and cfg.engine.backend == "sglang":
-        raise ConfigError("engine.backend: sglang needs a CUDA GPU for each server, but none is visible here; "
+        raise ConfigError(f"engine.backend: sglang needs a CUDA GPU for each server, but {none}; "
                           "use engine.backend=embedded, or start SGLang elsewhere (rollout.server_addrs)")
     key, spec = _device(cfg, side)
-    raise ConfigError(f"{key}: {spec!r} asked for, but no CUDA device is visible here; use cpu or auto")
+    raise ConfigError(f"{key}: {spec!r} needs a CUDA device, but {none}; use cpu or auto")
 
 
 def engine_share(cfg: Config, shared: bool) -> float:
@@ -212,7 +213,7 @@ def place(cfg: Config, *, visible: int, mask: str | None = None, sides: tuple[st
     `visible`: CUDA devices this process sees; `mask`: the CUDA_VISIBLE_DEVICES it inherited
     (None = unset). Raises ConfigError naming the key for anything that cannot be placed."""
     counts = _counts(cfg, sides)
-    cuda = {side: counts[side] > 0 and _wants_cuda(cfg, side, visible) for side in SIDES}
+    cuda = {side: counts[side] > 0 and _wants_cuda(cfg, side, visible, mask) for side in SIDES}
     _check_lists(cfg, counts, cuda)
     cpu = GpuSlot(visible="" if visible else None, device="cpu")
     if not any(cuda.values()):

@@ -117,7 +117,9 @@ def test_one_side_alone_takes_the_machine_for_itself():
     (("cluster.trainer_gpus=[8]",), 8, None, "cluster.trainer_gpus: names GPU 8, but this process sees 8"),
     (("cluster.trainer_gpus=[0,1]",), 4, None, "cluster.trainer_gpus: lists 2 GPU(s) for trainer.world_size=1"),
     (("rollout.num_servers=2", "cluster.rollout_gpus=[1,1]"), 4, None, "cluster.rollout_gpus: names a GPU twice"),
-    (("trainer.device=cuda",), 0, None, "trainer.device: 'cuda' asked for, but no CUDA device is visible here"),
+    (("trainer.device=cuda",), 0, None, "trainer.device: 'cuda' needs a CUDA device, but none is visible here"),
+    (("engine.device=cuda",), 0, "9", "engine.device: 'cuda' needs a CUDA device, but none is visible here "
+                                      "(CUDA_VISIBLE_DEVICES='9')"),
     (("engine.backend=sglang",), 0, None, "engine.backend: sglang needs a CUDA GPU for each server"),
     (("engine.backend=sglang", "engine.device=cpu"), 2, None, "engine.device: engine.backend=sglang runs on CUDA"),
     ((*FSDP2, "trainer.device=cuda:0"), 2, None, "trainer.device: 'cuda:0' pins one GPU, but trainer.world_size=2"),
