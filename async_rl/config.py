@@ -44,7 +44,11 @@ class EngineConfig:
     port: int = 0  # 0 picks a free port
     max_running: int = 64  # most sequences decoded together
     max_tokens_per_step: int = 2048  # token budget of one engine step (prefill + decode)
-    kv_cache_mb: float = 256.0  # memory budget of the paged KV cache
+    kv_cache_mb: float = 256.0  # memory budget of the paged KV cache on CPU (on CUDA: engine.gpu_memory_fraction)
+    # share of its GPU's memory the engine takes for weights + KV cache (SGLang: --mem-fraction-static); on CUDA
+    # the embedded engine sizes its KV pool from it. 0 = auto: 0.4 where it shares a GPU with the trainer, else
+    # 0.85 (embedded) or SGLang's own choice; a trainer sharing the GPU is held to the rest (async_rl/placement.py)
+    gpu_memory_fraction: float = 0.0
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True  # reuse KV of shared prefixes (GRPO groups, turns)
     num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
@@ -164,10 +168,20 @@ class WeightSyncConfig:
 class RayConfig:
     address: str = ""  # existing cluster (e.g. "auto" or "ray://HOST:10001"); empty = start a local one
     num_cpus_per_server: float = 1.0  # CPU bundle of one generation server
-    num_gpus_per_server: float = 0.0  # GPU bundle of one generation server (0 on CPU clusters)
+    num_gpus_per_server: float = 0.0  # GPU bundle of one generation server: 0 = auto (1 where the engine runs on CUDA)
     num_cpus_per_trainer: float = 1.0  # CPU bundle of one trainer rank
-    num_gpus_per_trainer: float = 0.0  # GPU bundle of one trainer rank
+    num_gpus_per_trainer: float = 0.0  # GPU bundle of one trainer rank: 0 = auto (1 where the trainer runs on CUDA)
     placement_timeout_s: float = 120.0  # a placement group not placed by then is an error naming the resources
+
+
+@dataclass
+class ClusterConfig:
+    """Which GPUs each pool uses under launcher=local (async_rl/placement.py). Indices are as this process
+    sees them (cuda:i, i.e. positions in an inherited CUDA_VISIBLE_DEVICES); the pools must not overlap,
+    except one trainer rank and one server listing the same single GPU (they share it)."""
+
+    trainer_gpus: list[int] = field(default_factory=list)  # one per trainer rank; empty = auto (the first free GPUs)
+    rollout_gpus: list[int] = field(default_factory=list)  # one per generation server; empty = auto (after the trainer's)
 
 
 @dataclass
@@ -213,6 +227,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     cores: CoresConfig = field(default_factory=CoresConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -315,6 +330,8 @@ def validate(cfg: Config) -> None:
                           f"got {cfg.transport.capacity}")
     if cfg.engine.kv_cache_mb <= 0:
         raise ConfigError(f"engine.kv_cache_mb: must be > 0, got {cfg.engine.kv_cache_mb}")
+    if not 0 <= cfg.engine.gpu_memory_fraction < 1:
+        raise ConfigError(f"engine.gpu_memory_fraction: must be in [0, 1) (0 = auto), got {cfg.engine.gpu_memory_fraction}")
     if not 0 <= cfg.rollout.temperature <= 100:
         raise ConfigError(f"rollout.temperature: must be in [0, 100], got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:

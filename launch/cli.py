@@ -100,6 +100,23 @@ def _check_standalone(cfg: Config, command: str) -> None:
                          f"e.g. transport.addr=tcp://127.0.0.1:5555 (got {cfg.transport.addr})")
 
 
+def _placed_alone(cfg: Config, command: str) -> tuple[Config, dict[str, str], dict]:
+    """One side started alone takes this machine's GPUs for itself (async_rl/placement.py): its process's
+    config, environment and keyword arguments, or one error line before it starts."""
+    from async_rl.placement import ROLLOUT, TRAINER, for_process
+    from launch.common import place_here
+    from launch.procs import with_overrides
+
+    if command == "train":
+        plan = place_here(cfg, (TRAINER,))
+        return for_process(cfg, TRAINER, plan.trainer), plan.trainer.env(), {}
+    if command == "rollout":
+        plan = place_here(cfg, (ROLLOUT,))
+        return cfg, plan.cpu.env(), {"servers": [s.to_wire() for s in plan.servers]}
+    plan = place_here(with_overrides(cfg, rollout={"num_servers": 1, "server_addrs": []}), (ROLLOUT,))
+    return for_process(cfg, ROLLOUT, plan.servers[0]), plan.servers[0].env(), {}
+
+
 def _dispatch(command: str, cfg: Config) -> int:
     from launch import procs
     from launch.common import check_agents, pin_dtypes
@@ -118,10 +135,11 @@ def _dispatch(command: str, cfg: Config) -> int:
         print(f"run directory: {cfg.run_dir}", flush=True)
         return 0
     _check_standalone(cfg, command)
+    child_cfg, env, kwargs = _placed_alone(cfg, command)
     save_config(cfg, Path(cfg.run_dir))
     target = {"train": "launch.trainer_proc:trainer_main", "rollout": "launch.rollout_proc:rollout_main",
               "serve": "launch.serve:serve_main"}[command]
-    proc = procs.spawn(command if command != "serve" else "server", target, cfg)
+    proc = procs.spawn(command if command != "serve" else "server", target, child_cfg, env=env, **kwargs)
     try:
         proc.join()
     except KeyboardInterrupt:

@@ -1,4 +1,4 @@
-"""Small pieces every launcher needs: thread counts, free ports, one-line fatal errors."""
+"""Small pieces every launcher needs: thread counts, free ports, one-line fatal errors, GPU placement here."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from async_rl.config import Config
+from async_rl.placement import SIDES, Placement, gpus_here, place
 from async_rl.utils.cores import CoreShare
 from async_rl.utils.hardware import resolve_device, resolve_dtype
 
@@ -73,6 +74,25 @@ def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
         trainer = dataclasses.replace(trainer, compute_dtype=choice.name)
         lines.append(f"trainer compute dtype: {choice.name} ({choice.reason}; master weights fp32)")
     return dataclasses.replace(cfg, model=model, trainer=trainer), lines
+
+
+def place_here(cfg: Config, sides: tuple[str, ...] = SIDES) -> Placement:
+    """Place the pools of `sides` on this machine's GPUs (async_rl/placement.py) and say where, before
+    any process starts: what cannot be placed raises a ConfigError naming the key."""
+    visible, mask = gpus_here()
+    plan = place(cfg, visible=visible, mask=mask, sides=sides)
+    for line in plan.lines:
+        logger.info("%s", line)
+        print(line, flush=True)
+    return plan
+
+
+def cap_gpu_memory(device: str, fraction: float) -> None:
+    """Hold this process to `fraction` of its GPU's memory (0 = no cap): the two sides of a GPU that
+    trainer and engine share each keep to their part of the split."""
+    if fraction > 0 and device.startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
+        logger.info("GPU memory: this process keeps to %.0f%% of %s", 100 * fraction, device)
 
 
 def check_agents(cfg: Config) -> None:

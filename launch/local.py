@@ -2,7 +2,10 @@
 
 The launcher supervises the trainer and the rollout process; the rollout process owns its
 generation servers (`rollout.num_servers`) and restarts one whose process dies, on the same
-port (launch/server_keeper.py). Supervision (`supervise.*`):
+port (launch/server_keeper.py). Before anything starts, async_rl.placement decides the GPU
+pools (`child_launches`): the trainer process gets its pool's GPUs (its ranks are its own
+children, rank r on cuda:r), the rollout process none (CUDA_VISIBLE_DEVICES="" where the
+machine has GPUs) and the slots of the servers it starts. Supervision (`supervise.*`):
 
 - A child that dies with a non-zero exit code or a signal is restarted after a backoff, at
   most `supervise.max_restarts` times per component; the trainer restarts with
@@ -35,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config, save_config
+from async_rl.placement import TRAINER, Placement, for_process
 from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.utils.ledger import LEDGERS, audit
 from async_rl.utils.metrics import read_jsonl
 from async_rl.trainer.backends import get_backend
-from launch.common import up_file, with_free_port
+from launch.common import place_here, up_file, with_free_port
 from launch.procs import child_cause, child_error, spawn, stop_all, with_overrides
 from launch.supervision import RESTARTS_FILE, RestartBudget, restart_lines
 
@@ -62,11 +66,18 @@ class Drained(SystemExit):
         self.message = message
 
 
+def child_launches(cfg: Config, plan: Placement) -> dict[str, tuple[Config, dict[str, str], dict]]:
+    """What each child of TARGETS is started with: (config, environment added, keyword arguments)."""
+    trainer_kwargs = {"gpu_memory_fraction": plan.trainer.memory_fraction} if plan.trainer.memory_fraction else {}
+    return {"trainer": (for_process(cfg, TRAINER, plan.trainer), plan.trainer.env(), trainer_kwargs),
+            "rollout": (cfg, plan.cpu.env(), {"servers": [s.to_wire() for s in plan.servers]})}
+
+
 class Supervisor:
     """Starts the trainer and the rollout process, restarts them when they crash, drains on SIGTERM."""
 
-    def __init__(self, cfg: Config, finish_s: float):
-        self.cfg, self.finish_s = cfg, finish_s
+    def __init__(self, cfg: Config, finish_s: float, launches: dict[str, tuple[Config, dict[str, str], dict]]):
+        self.cfg, self.finish_s, self.launches = cfg, finish_s, launches
         self.budget = RestartBudget(cfg)
         self.procs: dict[str, Any] = {}
         self.due: dict[str, float] = {}  # component -> when it restarts (time.monotonic)
@@ -74,8 +85,9 @@ class Supervisor:
         self._trainer_done_at: float | None = None
 
     def start(self, name: str, resume: bool = False) -> None:
-        cfg = with_overrides(self.cfg, trainer={"resume": True}) if resume else self.cfg
-        self.procs[name] = spawn(name, TARGETS[name], cfg)
+        cfg, env, kwargs = self.launches[name]
+        cfg = with_overrides(cfg, trainer={"resume": True}) if resume else cfg
+        self.procs[name] = spawn(name, TARGETS[name], cfg, env=env, **kwargs)
 
     def stop(self) -> None:
         self.due.clear()
@@ -221,6 +233,7 @@ def ledger_lines(run_dir: str) -> list[str]:
 
 def run_local(cfg: Config) -> list[str]:
     get_backend(cfg.trainer.backend).check(cfg.trainer)  # every trainer rank runs here: fail before starting any
+    plan = place_here(cfg)  # the GPU pools, or one error line naming the key
     cfg = with_overrides(cfg, transport={"addr": with_free_port(cfg.transport.addr)})
     save_config(cfg, cfg.run_dir)
     for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl", *LEDGERS):
@@ -229,7 +242,7 @@ def run_local(cfg: Config) -> list[str]:
     (Path(cfg.run_dir) / RESTARTS_FILE).unlink(missing_ok=True)  # the restart budget is this launch's
     for name in TARGETS:
         up_file(cfg.run_dir, name).unlink(missing_ok=True)  # restarted only once up in this launch
-    sup = Supervisor(cfg, finish_s=cfg.rollout.connect_timeout_s + 300)
+    sup = Supervisor(cfg, finish_s=cfg.rollout.connect_timeout_s + 300, launches=child_launches(cfg, plan))
     previous = signal.signal(signal.SIGTERM, sup.on_sigterm)
     try:
         drained = sup.run()

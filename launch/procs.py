@@ -82,8 +82,10 @@ def resolve_target(target: str) -> Callable[..., None]:
     return getattr(importlib.import_module(module), attr)
 
 
-def child_entry(name: str, target: str, cfg: Config, kwargs: dict) -> None:
-    """Body of every child process."""
+def child_entry(name: str, target: str, cfg: Config, kwargs: dict, env: dict[str, str] | None = None) -> None:
+    """Body of every child process. `env` (its CUDA_VISIBLE_DEVICES from async_rl.placement) is set
+    before anything runs, so CUDA, initialised later, only ever sees the GPUs placed here."""
+    os.environ.update(env or {})
     threading.Thread(target=_watch_parent, args=(os.getppid(),), name="watch-parent", daemon=True).start()
     setup_logging(cfg.log.level, cfg.run_dir, name, console_level="WARNING")
     signal.signal(signal.SIGTERM, _interrupt)
@@ -105,11 +107,12 @@ def child_entry(name: str, target: str, cfg: Config, kwargs: dict) -> None:
         sys.exit(2)
 
 
-def spawn(name: str, target: str, cfg: Config, **kwargs) -> mp.Process:
-    """Start `target` ("module:function", called as function(cfg, **kwargs)) as child process `name`."""
+def spawn(name: str, target: str, cfg: Config, *, env: dict[str, str] | None = None, **kwargs) -> mp.Process:
+    """Start `target` ("module:function", called as function(cfg, **kwargs)) as child process `name`,
+    with `env` added to its environment."""
     if not isinstance(target, str) or target.count(":") != 1:
         raise ValueError(f"spawn target: expected 'module:function', got {target!r}")
-    proc = _CTX.Process(target=child_entry, args=(name, target, cfg, kwargs), name=name, daemon=False)
+    proc = _CTX.Process(target=child_entry, args=(name, target, cfg, kwargs, env), name=name, daemon=False)
     proc.start()
     return proc
 
@@ -156,12 +159,13 @@ def server_name(index: int) -> str:
     return "server" if index == 0 else f"server{index}"
 
 
-def start_server(cfg: Config, index: int = 0, timeout_s: float = 600.0) -> tuple[mp.Process, str]:
-    """Start embedded generation server `index` as a child; return it and its URL once it serves."""
+def start_server(cfg: Config, index: int = 0, env: dict[str, str] | None = None,
+                 timeout_s: float = 600.0) -> tuple[mp.Process, str]:
+    """Start embedded generation server `index` as a child (with `env`: its GPU); return it and its URL once it serves."""
     name = server_name(index)
     ready = Path(cfg.run_dir) / f"{name}_address"
     ready.unlink(missing_ok=True)
-    proc = spawn(name, "launch.serve:serve_main", cfg, ready_file=str(ready))
+    proc = spawn(name, "launch.serve:serve_main", cfg, env=env, ready_file=str(ready))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if ready.is_file() and ready.read_text().strip():

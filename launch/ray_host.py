@@ -1,11 +1,15 @@
 """What the Ray launcher places: the bundles of a run, and the actor that runs one process in a bundle.
 
-    slots = plan(cfg)    # [Slot(name="server", role="server", bundle={"CPU": 1.0}), ..., Slot(name="rollout", ...)]
+    slots = plan(cfg, cluster_gpus)   # [Slot(name="server", role="server", bundle={"CPU": 1.0, "GPU": 1.0}), ...]
     host = ray.remote(ProcessHost).options(...).remote("trainer", cfg.run_dir)
-    host.start.remote("launch.trainer_proc:trainer_main", to_yaml(cfg), {})
+    host.start.remote("launch.trainer_proc:trainer_main", to_yaml(cfg), {}, "trainer")
 
-`ProcessHost` starts its process with `launch.procs.spawn` on its own node, so logs, the
-one-line `<name>.error` files and the orderly SIGTERM stop are those of `launcher=local`;
+A side that runs on CUDA gets one whole GPU per bundle (async_rl.placement.ray_gpus), and the
+process in it the GPU Ray assigned (`ray_slot`: CUDA_VISIBLE_DEVICES its physical id, device
+cuda:0); a process in a bundle without GPUs gets CUDA_VISIBLE_DEVICES="", since Ray 2.60 no
+longer hides the node's GPUs from it. `ProcessHost` starts its process with
+`launch.procs.spawn` on its own node, so logs, the one-line `<name>.error` files and the
+orderly SIGTERM stop are those of `launcher=local`;
 if the actor itself is killed, the child notices its parent is gone and stops. Configs
 travel as YAML text, entry points as `module:function` names. Nothing here imports Ray:
 it is an optional extra.
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rl.config import ConfigError, config_from_yaml_text
+from async_rl.placement import ROLLOUT, for_process, ray_gpus, ray_slot
 
 from launch.common import free_port
 from launch.procs import child_error, server_name, spawn, stop_all
@@ -33,9 +38,9 @@ class Slot:
     bundle: dict[str, float] = field(default_factory=dict)  # Ray resources of its bundle
 
 
-def _bundle(cfg: Any, role: str) -> dict[str, float]:
-    cpus, gpus = getattr(cfg.ray, f"num_cpus_per_{role}"), getattr(cfg.ray, f"num_gpus_per_{role}")
-    for key, value in ((f"ray.num_cpus_per_{role}", cpus), (f"ray.num_gpus_per_{role}", gpus)):
+def _bundle(cfg: Any, role: str, gpus: float) -> dict[str, float]:
+    cpus, asked = getattr(cfg.ray, f"num_cpus_per_{role}"), getattr(cfg.ray, f"num_gpus_per_{role}")
+    for key, value in ((f"ray.num_cpus_per_{role}", cpus), (f"ray.num_gpus_per_{role}", asked)):
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     if cpus == 0 and gpus == 0:
@@ -44,13 +49,16 @@ def _bundle(cfg: Any, role: str) -> dict[str, float]:
     return {k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
 
 
-def plan(cfg: Any) -> list[Slot]:
-    """The run's bundles: servers (unless rollout.server_addrs are given), trainer ranks, the rollout controller."""
+def plan(cfg: Any, cluster_gpus: float) -> list[Slot]:
+    """The run's bundles: servers (unless rollout.server_addrs are given), trainer ranks, the rollout controller.
+    `cluster_gpus`: the GPUs of the cluster, which decide where `auto` devices run (whole GPUs per bundle)."""
     servers = 0 if cfg.rollout.server_addrs else cfg.rollout.num_servers
     world = cfg.trainer.world_size
-    return ([Slot(name=server_name(i), role="server", bundle=_bundle(cfg, "server")) for i in range(servers)]
-            + [Slot(name="trainer" if world == 1 else f"trainer{r}", role="trainer", bundle=_bundle(cfg, "trainer"))
-               for r in range(world)]
+    gpus = ray_gpus(cfg, cluster_gpus)
+    return ([Slot(name=server_name(i), role="server", bundle=_bundle(cfg, "server", gpus["server"]))
+             for i in range(servers)]
+            + [Slot(name="trainer" if world == 1 else f"trainer{r}", role="trainer",
+                    bundle=_bundle(cfg, "trainer", gpus["trainer"])) for r in range(world)]
             + [Slot(name="rollout", role="rollout", bundle=dict(CONTROLLER_BUNDLE))])
 
 
@@ -105,16 +113,27 @@ class ProcessHost:
     def free_port(self) -> int:
         return free_port()
 
-    def start(self, entry: str, cfg_yaml: str, kwargs: dict) -> None:
-        self.cfg = config_from_yaml_text(cfg_yaml)
-        self.proc = spawn(self.name, entry, self.cfg, **kwargs)  # imported in the child: the actor stays light
+    def _gpu_ids(self) -> list:
+        import ray
+
+        return list(ray.get_gpu_ids())
+
+    def start(self, entry: str, cfg_yaml: str, kwargs: dict, side: str | None = None) -> None:
+        """Start `entry`; a `side` (trainer) process on the GPU Ray assigned this bundle, others on none."""
+        cfg = config_from_yaml_text(cfg_yaml)
+        slot = ray_slot(cfg, side, self._gpu_ids())
+        self.cfg = for_process(cfg, side, slot) if side is not None else cfg
+        self.proc = spawn(self.name, entry, self.cfg, env=slot.env(), **kwargs)  # imported in the child: a light actor
 
     def start_server(self, cfg_yaml: str, index: int) -> str:
-        """Start generation server `index` with the launcher registered for `engine.backend`; its URL."""
+        """Start generation server `index` with the launcher registered for `engine.backend`, on the
+        GPU Ray assigned this bundle; its URL."""
         from launch.servers import SERVER_LAUNCHERS
 
-        self.cfg = config_from_yaml_text(cfg_yaml)
-        self.proc, url = SERVER_LAUNCHERS[self.cfg.engine.backend](self.cfg, index)
+        cfg = config_from_yaml_text(cfg_yaml)
+        slot = ray_slot(cfg, ROLLOUT, self._gpu_ids())
+        self.cfg = for_process(cfg, ROLLOUT, slot)
+        self.proc, url = SERVER_LAUNCHERS[self.cfg.engine.backend](self.cfg, index, slot.env())
         return url
 
     def poll(self) -> tuple[int | None, str]:

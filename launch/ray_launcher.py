@@ -3,9 +3,9 @@
     async-rl run --config configs/debug_cpu.yaml launcher=ray                          # local cluster, started here
     async-rl run --config configs/debug_cpu.yaml launcher=ray ray.address=HOST:6379    # a running cluster, joined
 
-The placement group has one bundle per generation server (`ray.num_cpus_per_server`,
-`ray.num_gpus_per_server`), one per trainer rank (`ray.num_*_per_trainer`) and one for the
-rollout controller. In each bundle a `ProcessHost` actor (launch/ray_host.py) runs the
+The placement group has one bundle per generation server (`ray.num_cpus_per_server`, and a
+whole GPU where the engine runs on CUDA), one per trainer rank (`ray.num_*_per_trainer`) and
+one for the rollout controller (no GPU: it sees none). In each bundle a `ProcessHost` actor (launch/ray_host.py) runs the
 existing entry point as its own child process, so a process behaves exactly as under
 `launcher=local`: its log is `run_dir/logs/<name>.log` and a failure leaves a one-line
 `<name>.error`. The driver polls the hosts; the first failure stops everything and becomes
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config, ConfigError, save_config, to_yaml
+from async_rl.placement import TRAINER, gpus_here
 from launch.local import RunFailed, summary
 from launch.procs import one_line, with_overrides
 from launch.ray_host import ProcessHost, Slot, cannot_place, plan, plain_resources, total
@@ -71,8 +72,9 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
                               "start one with `RAY_AUTH_MODE=disabled ray start --head`") from None
 
 
-def _connect(ray: Any, cfg: Config, slots: list[Slot]) -> bool:
-    """Join `ray.address`, or start a local cluster sized to this machine. True when started here."""
+def _connect(ray: Any, cfg: Config) -> tuple[bool, list[Slot]]:
+    """Join `ray.address`, or start a local cluster sized to this machine; (started here, the bundles).
+    The cluster's GPUs decide where `auto` devices run, so the bundles are planned here."""
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR, "namespace": "async_rl"}
     address = cfg.ray.address
     if address:
@@ -81,17 +83,21 @@ def _connect(ray: Any, cfg: Config, slots: list[Slot]) -> bool:
             ray.init(address=address, **quiet)
         except Exception as exc:  # Ray raises many kinds; the user needs the key and the address
             raise ConnectionError(f"ray.address: cannot join the Ray cluster at {address} ({one_line(exc)})") from None
-        return False
-    import torch
-
-    have = {"CPU": float(os.cpu_count() or 1), "GPU": float(torch.cuda.device_count())}
+        try:
+            return False, plan(cfg, float(ray.cluster_resources().get("GPU", 0.0)))
+        except BaseException:
+            ray.shutdown()
+            raise
+    visible, _ = gpus_here()
+    slots = plan(cfg, visible)
+    have = {"CPU": float(os.cpu_count() or 1), "GPU": float(visible)}
     need = total(slots)
     if any(need.get(k, 0.0) > v for k, v in have.items()):  # this cluster cannot grow: say so before starting it
         raise RuntimeError(cannot_place(slots, "this machine", have))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=int(have["CPU"]), num_gpus=int(have["GPU"]), include_dashboard=False,
              object_store_memory=LOCAL_OBJECT_STORE_BYTES, **quiet)
-    return True
+    return True, slots
 
 
 class RayRun:
@@ -152,10 +158,11 @@ class RayRun:
         trainer_cfg = _threads(with_overrides(cfg, transport={"addr": addr}), "trainer",
                                cfg.ray.num_cpus_per_trainer * cfg.trainer.world_size)
         for name, (entry, kwargs) in zip(self.trainers, self._trainer_entries()):
-            self.ray.get(self.hosts[name].start.remote(entry, to_yaml(trainer_cfg), kwargs))
+            self.ray.get(self.hosts[name].start.remote(entry, to_yaml(trainer_cfg), kwargs, TRAINER))
         urls = list(self._get_all(servers).values()) if servers else list(cfg.rollout.server_addrs)
         rollout_cfg = with_overrides(cfg, transport={"addr": addr}, rollout={"server_addrs": urls})
-        self.ray.get(self.hosts["rollout"].start.remote("launch.rollout_proc:rollout_main", to_yaml(rollout_cfg), {}))
+        self.ray.get(self.hosts["rollout"].start.remote("launch.rollout_proc:rollout_main", to_yaml(rollout_cfg),
+                                                        {"servers": []}))  # its servers run in their own bundles
         logger.info("trainer on %s, generation servers %s", addr, urls)
 
     def _start_servers(self) -> dict[str, Any]:
@@ -176,9 +183,9 @@ class RayRun:
         rank0 = self.trainers[0]
         master_addr = self._host("127.0.0.1", rank0)
         master_port = self.ray.get(self.hosts[rank0].free_port.remote())
-        # each rank sees only its bundle's GPU (Ray sets CUDA_VISIBLE_DEVICES), so its device index is 0
+        # each rank runs on the GPU Ray assigned its bundle (ProcessHost.start: its slot, cuda:0 in the process)
         return [("launch.trainer_proc:trainer_rank_main", {"rank": r, "world_size": world, "master_addr": master_addr,
-                                                           "master_port": master_port, "local_rank": 0})
+                                                           "master_port": master_port})
                 for r in range(world)]
 
     def _get_all(self, refs: dict[str, Any]) -> dict[str, Any]:
@@ -272,12 +279,11 @@ def _check_backend(cfg: Config) -> None:
 def run_ray(cfg: Config) -> list[str]:
     ray = _import_ray()
     _check_backend(cfg)
-    slots = plan(cfg)
+    started_here, slots = _connect(ray, cfg)
     save_config(cfg, cfg.run_dir)
     for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl"):
         (Path(cfg.run_dir) / stale).unlink(missing_ok=True)
     previous = signal.getsignal(signal.SIGTERM)
-    started_here = _connect(ray, cfg, slots)
     run = RayRun(ray, cfg, slots)
     try:
         _on_sigterm(_raise_interrupt)  # SIGTERM tears down like Ctrl-C; set after ray.init, which installs its own

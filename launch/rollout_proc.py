@@ -1,10 +1,11 @@
 """The rollout process: generation servers + rollout controller + greedy evaluation before and after.
 
 It starts `rollout.num_servers` servers through `SERVER_LAUNCHERS[engine.backend]` (the
-engine's CPU threads split between them; one CUDA device each where several are visible),
-or uses `rollout.server_addrs`. Every server is checked to run the configured model, then
-they form one `ServerPool`: a server that dies later is taken out of rotation and its
-requests move to the others; the run fails only when none is left.
+engine's CPU threads split between them; on GPUs each in the slot async_rl.placement gave
+it, which its launcher passes as `servers`), or uses `rollout.server_addrs`. Every server
+is checked to run the configured model, then they form one `ServerPool`: a server that
+dies later is taken out of rotation and its requests move to the others; the run fails
+only when none is left.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from async_rl.config import Config, resolve_secret
 from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import load_tokenizer
+from async_rl.placement import ROLLOUT, GpuSlot, for_process
 from async_rl.rollout.controller import RolloutController
 from async_rl.rollout.evaluate import evaluate
 from async_rl.rollout.periodic_eval import record_eval
@@ -32,7 +34,7 @@ from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.prompts import prompt_of
 from async_rl.weight_sync.receivers import build_receiver
-from launch.common import effective_threads, mark_up, pin_to_pool
+from launch.common import effective_threads, mark_up, pin_to_pool, place_here
 from launch.procs import run_async, stop_all, with_overrides
 from launch.server_keeper import ServerKeeper, write_server_listing
 
@@ -68,7 +70,8 @@ async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: 
     return pool
 
 
-async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], producer_id: str) -> None:
+async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], producer_id: str,
+               slots: list[GpuSlot]) -> None:
     tokenizer = load_tokenizer(cfg.model)
     task = build_task(cfg.task)
     pool = await _ready_pool(cfg, addrs, external, tokenizer)
@@ -78,7 +81,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
                                   curve_keys_dir=cfg.transport.curve_keys_dir)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
     # our own servers are restarted when their process dies, and caught up to the current weights
-    keeper = ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg)) if procs else None
+    keeper = ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg, slots)) if procs else None
     weights = keeper.receiver if keeper else weights
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
     ledger = Ledger(Path(cfg.run_dir) / "ledger_rollout.jsonl")  # trajectory ids produced (`async-rl audit`)
@@ -153,25 +156,23 @@ class _DurableSink:
         await self.queue.put_group(trajectories)
 
 
-def server_config(cfg: Config, index: int, count: int) -> Config:
-    """The config of server `index` of `count`: its share of the engine threads, its own port and device."""
+def server_config(cfg: Config, index: int, count: int, slot: GpuSlot) -> Config:
+    """The config of server `index` of `count`: its share of the engine threads, its own port, and the
+    device and memory share of its placement slot."""
     threads = max(1, effective_threads(cfg.engine.num_threads, cfg.mode) // count)
     port = cfg.engine.port + index if cfg.engine.port else 0
-    device = cfg.engine.device
-    gpus = torch.cuda.device_count() if device in ("auto", "cuda") else 0
-    if count > 1 and gpus > 1:
-        device = f"cuda:{index % gpus}"
-    return with_overrides(cfg, engine={"num_threads": threads, "port": port, "device": device})
+    return with_overrides(for_process(cfg, ROLLOUT, slot), engine={"num_threads": threads, "port": port})
 
 
-def start_servers(cfg: Config) -> tuple[list[Any], list[str]]:
-    """Start `rollout.num_servers` servers of `engine.backend` at once; (processes, urls) once all serve."""
+def start_servers(cfg: Config, slots: list[GpuSlot]) -> tuple[list[Any], list[str]]:
+    """Start `rollout.num_servers` servers of `engine.backend` at once, server i in `slots[i]`;
+    (processes, urls) once all serve."""
     from launch.servers import SERVER_LAUNCHERS
 
     n = cfg.rollout.num_servers
     launch = SERVER_LAUNCHERS[cfg.engine.backend]
     with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [pool.submit(launch, server_config(cfg, i, n), i) for i in range(n)]
+        futures = [pool.submit(launch, server_config(cfg, i, n, slots[i]), i, slots[i].env()) for i in range(n)]
         results, errors = [], []
         for f in futures:
             try:
@@ -187,15 +188,17 @@ def start_servers(cfg: Config) -> tuple[list[Any], list[str]]:
     return procs, urls
 
 
-def restart_server(cfg: Config, index: int, port: int) -> tuple[Any, str]:
-    """Start server `index` again on `port` (its old one, so its URL stays); (process, url) once it serves."""
+def restart_server(cfg: Config, slots: list[GpuSlot], index: int, port: int) -> tuple[Any, str]:
+    """Start server `index` again on `port` (its old one, so its URL stays) in its slot; (process, url) once it serves."""
     from launch.servers import SERVER_LAUNCHERS
 
-    own = server_config(cfg, index, cfg.rollout.num_servers)
-    return SERVER_LAUNCHERS[cfg.engine.backend](with_overrides(own, engine={"port": port}), index)
+    own = server_config(cfg, index, cfg.rollout.num_servers, slots[index])
+    return SERVER_LAUNCHERS[cfg.engine.backend](with_overrides(own, engine={"port": port}), index, slots[index].env())
 
 
-def rollout_main(cfg: Config) -> None:
+def rollout_main(cfg: Config, servers: list[dict] | None = None) -> None:
+    """The rollout side; `servers`: the placement slots (wire form) of the servers it starts, from its
+    launcher; without them (the side started alone) it places its servers on this machine itself."""
     torch.set_num_threads(1)  # this process only does I/O; the servers do the math
     pin_to_pool(cfg, "rollout")  # the controller belongs to the rollout pool, beside its servers
     producer_id = claim_side(cfg.run_dir)  # before any server starts: one live side per run directory
@@ -205,9 +208,11 @@ def rollout_main(cfg: Config) -> None:
     if external and cfg.rollout.num_servers > 1:
         logger.warning("rollout.server_addrs is set: using its %d servers, not rollout.num_servers=%d",
                        len(addrs), cfg.rollout.num_servers)
+    slots = ([GpuSlot.from_wire(s) for s in servers] if servers is not None
+             else list(place_here(cfg, (ROLLOUT,)).servers))
     if not external:
-        procs, addrs = start_servers(cfg)
+        procs, addrs = start_servers(cfg, slots)
     try:
-        run_async(_run(cfg, addrs, external, procs, producer_id))
+        run_async(_run(cfg, addrs, external, procs, producer_id, slots))
     finally:
         stop_all(procs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -35,8 +36,9 @@ from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
 from async_rl.engine.llm_engine import LLMEngine
 from async_rl.engine.server import build_app
 from async_rl.models import eos_token_ids, load_model, load_tokenizer
+from async_rl.placement import engine_share, kv_cache_bytes
 from async_rl.utils.hardware import resolve_device
-from launch.common import setup_cores
+from launch.common import cap_gpu_memory, setup_cores
 
 logger = logging.getLogger(__name__)
 
@@ -189,14 +191,28 @@ def _write_ready(ready_file: str, url: str) -> None:
     tmp.replace(path)  # readers never see a half-written address
 
 
+def gpu_engine_config(cfg: Config, device: torch.device) -> EngineConfig:
+    """On CUDA the KV pool is sized from the engine's share of its GPU (`engine.gpu_memory_fraction`, which
+    placement resolved) once the weights are loaded, not from `engine.kv_cache_mb` (kept for CPU)."""
+    if device.type != "cuda":
+        return cfg.engine
+    free, total = torch.cuda.mem_get_info(device)
+    kv = kv_cache_bytes(fraction=engine_share(cfg, shared=False), total=total, free=free,
+                        held=torch.cuda.memory_reserved(device), bucket=int(cfg.weight_sync.bucket_mb * 2**20))
+    logger.info("KV cache on %s: %.0f MiB (engine.gpu_memory_fraction=%g of %.1f GiB)", device, kv / 2**20,
+                engine_share(cfg, shared=False), total / 2**30)
+    return dataclasses.replace(cfg.engine, kv_cache_mb=kv / 2**20)
+
+
 def serve_main(cfg: Config, *, ready_file: str | None = None) -> None:
     cores = setup_cores(cfg, "engine")
     sock = bind_socket(cfg.engine.host, cfg.engine.port)  # fail early (port taken) before loading the model
     url = socket_url(sock)
     tokenizer = load_tokenizer(cfg.model)
     device = resolve_device(cfg.engine.device, "engine.device")
+    cap_gpu_memory(str(device), engine_share(cfg, shared=False))  # its part of a GPU it may share
     model = load_model(cfg.model, seed=cfg.seed, tokenizer=tokenizer, device=device)
-    engine = build_engine(model, tokenizer, cfg.engine, cores).start()
+    engine = build_engine(model, tokenizer, gpu_engine_config(cfg, device), cores).start()
     server = EngineServer(build_app(engine, model_name=cfg.model.name, tokenizer=tokenizer), engine)
 
     async def announce() -> None:

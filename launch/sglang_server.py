@@ -1,16 +1,18 @@
 """`engine.backend=sglang`: one SGLang server per GPU (`python -m sglang.launch_server`), driven by our client.
 
-    proc, url = SERVER_LAUNCHERS["sglang"](cfg, index)   # = start_sglang
+    proc, url = SERVER_LAUNCHERS["sglang"](cfg, index, env)   # = start_sglang
 
-Server `index` runs on GPU `index` (CUDA_VISIBLE_DEVICES), listens on `engine.host` and
-`engine.port + index` (a free port when engine.port is 0), serves `model.name` (a Hugging
-Face checkpoint directory or hub id), labels its weights version 0 (`--weight-version 0`,
-so per-token versions are integers from the start) and logs to
-`run_dir/logs/sglang<index>.log`. The launcher returns once /health answers 200; a server
+Server `index` runs on the GPU async_rl.placement gave it (`env` holds its CUDA_VISIBLE_DEVICES,
+physical ids, added to the inherited environment), takes `--mem-fraction-static` of its
+memory when `engine.gpu_memory_fraction` is set (always where it shares the GPU with the
+trainer), listens on `engine.host` and `engine.port + index` (a free port when engine.port
+is 0), serves `model.name` (a Hugging Face checkpoint directory or hub id), labels its
+weights version 0 (`--weight-version 0`, so per-token versions are integers from the start)
+and logs to `run_dir/logs/sglang<index>.log`. The launcher returns once /health answers 200; a server
 that exits first, or is not up within `timeout_s`, is an error quoting the end of its log.
-Without SGLang installed, or without a GPU for the server, it fails at once with an error
-naming `engine.backend=sglang`. SGLang servers started elsewhere are used through
-`rollout.server_addrs` instead (no launcher involved).
+Without SGLang installed it fails at once with an error naming `engine.backend=sglang`
+(without a GPU for it, placement refused the run before it started). SGLang servers started
+elsewhere are used through `rollout.server_addrs` instead (no launcher involved).
 """
 
 from __future__ import annotations
@@ -74,12 +76,6 @@ def check_sglang(cfg: Config, index: int) -> None:
     if cfg.model.name in BUILT_IN_MODELS:
         raise RuntimeError(f"engine.backend=sglang: model.name={cfg.model.name!r} is built in-process and SGLang "
                            "cannot load it; give a Hugging Face checkpoint directory or hub id")
-    import torch
-
-    if torch.cuda.device_count() <= index:
-        raise RuntimeError(f"engine.backend=sglang: server {index} needs CUDA device {index}, but "
-                           f"{torch.cuda.device_count()} are visible; lower rollout.num_servers or use "
-                           "engine.backend=embedded")
 
 
 def _free_port(host: str) -> int:
@@ -94,6 +90,8 @@ def sglang_command(cfg: Config, port: int) -> list[str]:
            "--random-seed", str(cfg.seed)]
     if cfg.model.dtype != "auto":
         cmd += ["--dtype", cfg.model.dtype]
+    if cfg.engine.gpu_memory_fraction:  # its share of a GPU (placement sets it where the trainer shares the GPU)
+        cmd += ["--mem-fraction-static", f"{cfg.engine.gpu_memory_fraction:g}"]
     if cfg.engine.api_key:  # SGLang then refuses requests without the bearer token, as the embedded server does
         cmd += ["--api-key", resolve_secret(cfg.engine.api_key, "engine.api_key")]
     return cmd
@@ -111,17 +109,19 @@ def _log_tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def start_sglang(cfg: Config, index: int, timeout_s: float = 900.0) -> tuple[SGLangProcess, str]:
-    """Start SGLang server `index`; return it and its URL once /health answers 200."""
+def start_sglang(cfg: Config, index: int, env: dict[str, str] | None = None,
+                 timeout_s: float = 900.0) -> tuple[SGLangProcess, str]:
+    """Start SGLang server `index` with `env` added to the inherited environment (its GPU: never the
+    index, which would discard the user's or Ray's mask); return it and its URL once /health answers 200."""
     check_sglang(cfg, index)
     port = cfg.engine.port or _free_port(cfg.engine.host)  # server_config already gave server `index` its own port
     host = f"[{cfg.engine.host}]" if ":" in cfg.engine.host else cfg.engine.host
     url = f"http://{host}:{port}"
     log_path = Path(cfg.run_dir) / "logs" / f"sglang{index}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(index)}
     with log_path.open("ab") as log:
-        popen = subprocess.Popen(sglang_command(cfg, port), stdout=log, stderr=subprocess.STDOUT, env=env,
+        popen = subprocess.Popen(sglang_command(cfg, port), stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})},
                                  start_new_session=True)
     proc = SGLangProcess(popen, log_path)
     deadline = time.monotonic() + timeout_s

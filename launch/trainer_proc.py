@@ -8,7 +8,9 @@ the queue, metrics, checkpoints and publishing; ranks 1..N-1 only train, followi
 in lock step (launch/trainer_ranks.py). `trainer_main` is rank 0 and starts ranks 1..N-1
 as its own child processes; a launcher that places ranks itself (Ray) calls
 `trainer_rank_main` once per rank with the same master address and port, where rank 0
-will host the rendezvous store, and `local_rank` the device index on that rank's node.
+will host the rendezvous store. A rank's device comes from async_rl.placement: in a trainer
+process given a pool of GPUs (`trainer.device=cuda`) rank r takes the r-th (`local_rank`
+overrides r); a rank given its own GPU (Ray: `cuda:0`) takes that one.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
 from async_rl.utils.cores import refresh_per_layer
-from launch.common import mark_up, setup_cores
+from launch.common import cap_gpu_memory, mark_up, setup_cores
 from launch.consumption import CheckpointPolicy, Consumption
 from launch.supervision import Drain, DrainRequested
 from launch.trainer_ranks import follower_main, lead, local_followers, rank_threads
@@ -103,8 +105,10 @@ def publish_weights(publisher: WeightPublisher, queue: TrajectoryQueueServer, st
     return dict(getattr(publisher, "stats", {}))
 
 
-def trainer_main(cfg: Config) -> None:
-    """Rank 0 on this machine; ranks 1..trainer.world_size-1 run as its child processes."""
+def trainer_main(cfg: Config, gpu_memory_fraction: float = 0.0) -> None:
+    """Rank 0 on this machine; ranks 1..trainer.world_size-1 run as its child processes.
+    `gpu_memory_fraction`: the trainer's part of a GPU it shares with the engine (placement; 0 = all)."""
+    cap_gpu_memory(cfg.trainer.device, gpu_memory_fraction)
     with local_followers(cfg) as (master_addr, master_port, check_followers):
         trainer_rank_main(cfg, 0, cfg.trainer.world_size, master_addr, master_port,
                           check_followers=check_followers)

@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 from async_rl.config import Config
+from async_rl.placement import rank_device
 from async_rl.trainer.backends import RankInfo, TrainerBackend, get_backend
 from async_rl.transport.codec import decode, encode
 from async_rl.types import Trajectory
 from launch.common import effective_threads, free_port
-from launch.procs import child_error, spawn, stop_all
+from launch.procs import child_error, spawn, stop_all, with_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,12 @@ def open_store(cfg: Config, rank: int, world_size: int, master_addr: str, master
     """Rank 0 hosts the store, the others connect (retrying until transport.peer_timeout_s)."""
     return dist.TCPStore(master_addr, master_port, world_size, rank == 0, wait_for_workers=False,
                          timeout=timedelta(seconds=cfg.transport.peer_timeout_s))
+
+
+def _rank_cfg(cfg: Config, rank: int, local_rank: int | None) -> Config:
+    """The config rank `rank` builds its trainer with: its own device (async_rl.placement.rank_device)."""
+    device = rank_device(cfg.trainer.device, rank if local_rank is None else local_rank)
+    return with_overrides(cfg, trainer={"device": device})
 
 
 def _rank_info(cfg: Config, rank: int, world_size: int, store: Any, local_rank: int | None) -> RankInfo:
@@ -177,7 +184,8 @@ def follow(cfg: Config, rank: int, world_size: int, master_addr: str, master_por
            local_rank: int | None = None) -> None:
     """Ranks 1..N-1: build the same trainer, then run rank 0's commands until it says stop."""
     store = open_store(cfg, rank, world_size, master_addr, master_port)
-    trainer = get_backend(cfg.trainer.backend).build(cfg, _rank_info(cfg, rank, world_size, store, local_rank))
+    trainer = get_backend(cfg.trainer.backend).build(_rank_cfg(cfg, rank, local_rank),
+                                                     _rank_info(cfg, rank, world_size, store, local_rank))
     seq = 0
     try:
         while True:
@@ -199,7 +207,7 @@ def lead(cfg: Config, world_size: int, master_addr: str, master_port: int, local
     """Rank 0's trainer: the backend's own for one rank, else a `Leader` over the process group."""
     spec = get_backend(cfg.trainer.backend)
     store = open_store(cfg, 0, world_size, master_addr, master_port) if spec.distributed else None
-    trainer = spec.build(cfg, _rank_info(cfg, 0, world_size, store, local_rank))
+    trainer = spec.build(_rank_cfg(cfg, 0, local_rank), _rank_info(cfg, 0, world_size, store, local_rank))
     if world_size == 1:
         return trainer
     return Leader(trainer, store, world_size, check_followers=check_followers)

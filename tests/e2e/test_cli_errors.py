@@ -77,3 +77,21 @@ def test_unreachable_trainer(tmp_path):
     res = cli("rollout", "--config", DEBUG, f"run_dir={tmp_path}", "transport.addr=tcp://127.0.0.1:9",
               "rollout.connect_timeout_s=3")
     assert_one_line_error(res, "tcp://127.0.0.1:9")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "trainer.device=cpu", "cluster.trainer_gpus=[0]"],
+     "cluster.trainer_gpus: lists GPUs, but the trainer side runs on cpu (trainer.device=cpu)"),
+    (["run", "engine.backend=sglang", "engine.device=cpu"], "engine.device: engine.backend=sglang runs on CUDA GPUs"),
+    (["rollout", "transport.addr=tcp://127.0.0.1:9", "engine.device=cpu", "cluster.rollout_gpus=[0]"],
+     "cluster.rollout_gpus: lists GPUs, but the rollout side runs on cpu"),
+    (["run", "launcher=ray", "trainer.device=cpu", "ray.num_gpus_per_trainer=1"],
+     "ray.num_gpus_per_trainer: trainer.device=cpu, so a trainer would hold a GPU it never uses"),
+])
+def test_gpu_placement_mistakes_stop_before_any_process_starts(args, needle, tmp_path):
+    """async_rl/placement.py refuses what cannot be placed in the launcher (tests/unit/test_placement.py
+    covers every rule over faked GPU counts; these hold on any machine, with or without GPUs)."""
+    command, *overrides = args
+    res = cli(command, "--config", DEBUG, f"run_dir={tmp_path}", *overrides, timeout=60)
+    assert_one_line_error(res, needle)
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").glob("*.pid"))  # no child ever ran

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from async_rl.config import Config, ModelConfig, TrainerConfig
+from async_rl.placement import gpus_here, place, rank_device
 from async_rl.trainer.backends import RankInfo, get_backend
 from async_rl.trainer.checkpoint import load_checkpoint
 from async_rl.types import Trajectory
@@ -68,6 +69,8 @@ def _groups(step: int) -> list[list[Trajectory]]:
 
 
 def _train(cfg: Config, rank: RankInfo) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    device = rank_device(cfg.trainer.device, rank.rank)  # as the launch layer gives each rank its GPU
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     trainer = get_backend(cfg.trainer.backend).build(cfg, rank)
     stats = [trainer.train_step(_groups(s)) for s in range(STEPS)]
     weights = trainer.state_dict()
@@ -227,11 +230,14 @@ def test_follower_leaves_when_rank0_dies(tmp_path):
 # ---------------------------------------------------------------------------------------- CUDA (NCCL)
 @pytest.mark.gpu
 def test_cuda_world_size_beyond_visible_gpus_is_one_clear_error():
-    n = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=rf"^trainer.world_size: {n + 1} ranks need {n + 1} CUDA devices"):
-        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=n + 1, device="cuda"))
+    """On this machine's real GPUs (tests/unit/test_placement.py fakes the counts)."""
+    visible, mask = gpus_here()
+    fsdp = Config(trainer=TrainerConfig(backend="fsdp", world_size=visible + 1, device="cuda"))
+    with pytest.raises(ValueError, match=rf"^trainer.world_size: {visible + 1} ranks need {visible + 1} GPUs"):
+        place(fsdp, visible=visible, mask=mask, sides=("trainer",))
+    pinned = Config(trainer=TrainerConfig(backend="fsdp", world_size=2, device="cuda:0"))
     with pytest.raises(ValueError, match=r"^trainer.device: 'cuda:0' pins one GPU"):
-        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=2, device="cuda:0"))
+        place(pinned, visible=visible, mask=mask)
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ ALLOWED = {
     "trainer": BASE,
     "weight_sync": BASE,
     "report": BASE,  # reads run directories; knows no component
+    "placement": {"config"},  # which GPUs each pool uses: a pure function of the config, asked by the launchers
 }
 
 

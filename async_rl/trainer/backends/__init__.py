@@ -1,13 +1,14 @@
 """Trainer backends, chosen by `trainer.backend`: how many processes train and how weights are laid out.
 
     spec = TRAINER_BACKENDS[cfg.trainer.backend]
-    spec.check(cfg.trainer)                        # before any process starts: world size vs devices
+    spec.check(cfg.trainer)                        # before any process starts: world size vs CPU cores
     trainer = spec.build(cfg, RankInfo(rank, world_size, store))   # on every rank, in lock step
 
 - `single`: today's `PPOTrainer`, one process (CPU or one GPU); `trainer.world_size` must be 1.
 - `fsdp`: FSDP2 (`fully_shard`) over `trainer.world_size` processes, gloo on CPU, NCCL on CUDA
-  (rank r on `cuda:r`). Data parallel: every rank runs its share of each micro-batch,
-  gradients are summed by FSDP's reduce-scatter, so a step equals the single-process step.
+  (each rank on the GPU placement gave it: async_rl/placement.py). Data parallel: every rank
+  runs its share of each micro-batch, gradients are summed by FSDP's reduce-scatter, so a
+  step equals the single-process step.
 
 A built trainer is SPMD: every rank calls the same methods in the same order (the launch
 layer forwards rank 0's calls to the other ranks). `state_dict()`, `save_checkpoint()` and
@@ -34,8 +35,8 @@ class RankInfo:
     rank: int = 0
     world_size: int = 1
     store: Any = None  # a torch.distributed Store shared by the ranks (None for one process)
-    local_rank: int | None = None  # device index on this node (default: rank); a launcher that
-    # gives each rank one visible GPU passes 0
+    local_rank: int | None = None  # device index of this rank in its process's GPU pool (default: rank);
+    # the launch layer turns it into the rank's `trainer.device` (async_rl.placement.rank_device)
     timeout_s: float = 60.0  # a collective that waits longer than this fails instead of hanging
 
 

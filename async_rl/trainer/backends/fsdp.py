@@ -17,7 +17,8 @@ ranks' gradients (divide factor 1), which gives exactly the single-process gradi
 Every rank runs every micro-batch's forward and backward, an empty share as a
 zero-weight pass over one token, so the collectives stay in lock step.
 
-Device: gloo on CPU, NCCL on CUDA with rank r on `cuda:r` (or `cuda:local_rank`).
+Device: gloo on CPU, NCCL on CUDA with each rank on the device its launcher placed it on
+(`trainer.device` of the config it builds with; async_rl/placement.py).
 """
 
 from __future__ import annotations
@@ -180,31 +181,13 @@ def _visible_cores() -> int:
 
 
 def check(cfg: TrainerConfig) -> None:
-    """Fail before any process starts if this machine cannot hold `trainer.world_size` ranks."""
+    """Fail before any process starts if this machine cannot hold `trainer.world_size` CPU ranks
+    (GPUs for CUDA ranks are counted where they are placed: async_rl/placement.py)."""
     device = resolve_device(cfg.device, "trainer.device")
     n = cfg.world_size
-    if device.type == "cuda":
-        if device.index is not None and n > 1:
-            raise ValueError(f"trainer.device: {cfg.device!r} pins one GPU, but trainer.world_size={n} needs one "
-                             "per rank; use cuda or auto (rank r runs on cuda:r)")
-        count = torch.cuda.device_count()
-        if n > count:
-            raise ValueError(f"trainer.world_size: {n} ranks need {n} CUDA devices (one per rank), "
-                             f"but {count} are visible")
-    elif n > _visible_cores():
+    if device.type == "cpu" and n > _visible_cores():
         raise ValueError(f"trainer.world_size: {n} CPU ranks need at least {n} cores (one thread each), "
                          f"but this machine has {_visible_cores()}")
-
-
-def rank_device(cfg: TrainerConfig, local_rank: int) -> torch.device:
-    device = resolve_device(cfg.device, "trainer.device")
-    if device.type != "cuda":
-        return device
-    count = torch.cuda.device_count()
-    if device.index is None and local_rank >= count:
-        raise ValueError(f"trainer.world_size: rank on local device {local_rank} needs cuda:{local_rank}, "
-                         f"but {count} CUDA device(s) are visible here")
-    return torch.device("cuda", device.index if device.index is not None else local_rank)
 
 
 def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
@@ -214,7 +197,10 @@ def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
                          f"launcher started {rank.world_size} ranks")
     if rank.store is None:
         raise ValueError("trainer.backend=fsdp: ranks need a shared store (start them with trainer_rank_main)")
-    device = rank_device(cfg.trainer, rank.rank if rank.local_rank is None else rank.local_rank)
+    device = resolve_device(cfg.trainer.device, "trainer.device")  # this rank's own: its launcher placed it
+    if device.type == "cuda" and device.index is None and rank.world_size > 1:
+        raise ValueError(f"trainer.device: {cfg.trainer.device!r} names no GPU for rank {rank.rank}; each rank "
+                         "builds with its own (async_rl.placement.rank_device)")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
