@@ -70,6 +70,11 @@ def test_train_and_rollout_started_separately(tmp_path):
     # the rollout side loaded weights it received over the queue into its own run directory
     assert list((tmp_path / "r" / "weights").glob("weights_v*.safetensors"))
     assert (tmp_path / "r" / "eval.jsonl").is_file()
+    # the trainer's directory alone cannot vouch for what the rollout side produced: incomplete, exit 1
+    alone = cli("audit", str(tmp_path / "t"), timeout=60)
+    assert alone.returncode == 1 and "incomplete: no rollout ledger" in alone.stdout, alone.stdout + alone.stderr
+    both = cli("audit", str(tmp_path / "t"), str(tmp_path / "r"), timeout=60)
+    assert both.returncode == 0 and "lost=0 duplicated=0 lost_prompts=0" in both.stdout, both.stdout + both.stderr
 
 
 def _loads_as_hf_model(ckpt: Path) -> None:
