@@ -94,6 +94,8 @@ def sglang_command(cfg: Config, port: int) -> list[str]:
            "--random-seed", str(cfg.seed)]
     if cfg.model.dtype != "auto":
         cmd += ["--dtype", cfg.model.dtype]
+    if cfg.engine.tp_size > 1:  # its ranks in the dist weight group follow (rank_offset + tp_rank)
+        cmd += ["--tp-size", str(cfg.engine.tp_size)]
     if cfg.engine.api_key:  # SGLang then refuses requests without the bearer token, as the embedded server does
         cmd += ["--api-key", resolve_secret(cfg.engine.api_key, "engine.api_key")]
     return cmd
