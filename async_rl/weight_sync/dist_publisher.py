@@ -5,10 +5,10 @@ the version's "weights" CONTROL message (`master_address`, `master_port`, `world
 `group_name`, `backend`) with the tensor list (`names`, `dtypes`, `shapes`, `aliases`) and
 the bucket plan (`buckets`: index ranges into the names), then joins the group as rank 0
 (`group.new_group`, the way SGLang joins it) and waits for the servers' ranks. Each bucket
-is packed from the parameters, in the dtype on the wire, into one uint8 tensor on the
-trainer's device (`flat_bucket.pack`: the only copy a publish makes) and broadcast once,
-matching one `/update_weights_from_distributed` request with `load_format="flattened_bucket"`
-on every server (`dist_receiver.py`).
+is packed from the parameters, in the dtype on the wire, into one uint8 buffer on the
+trainer's device that every bucket reuses (`flat_bucket.pack`: the only copy a publish
+makes), and broadcast once, matching one `/update_weights_from_distributed` request with
+`load_format="flattened_bucket"` on every server (`dist_receiver.py`).
 
 `world_size` is 1 + every server's tensor-parallel ranks (SGLang puts a server's TP rank t
 at `rank_offset + t`). The whole version must be broadcast within `weight_sync.deadline_s`;
@@ -98,11 +98,13 @@ class DistWeightPublisher:
             if self._group is None:
                 self._group = group.new_group(self.backend, self._store, self._name, 0, self.world_size,
                                               self.deadline_s)
+            # one buffer for every bucket: a collective may hold on to its tensor a while after it completes
+            largest = max((flat_bucket.offsets(dtypes[a:b], shapes[a:b])[1] for a, b in buckets), default=0)
+            buffer = torch.empty(largest, dtype=torch.uint8, device=self.device)
             for index, (a, b) in enumerate(buckets):
-                flat = flat_bucket.pack(source, names[a:b], dtypes[a:b], shapes[a:b], self.device)
+                flat = flat_bucket.pack(source, names[a:b], dtypes[a:b], shapes[a:b], self.device, out=buffer)
                 group.broadcast(self._group, flat, f"weights v{version} bucket {index}", self.deadline_s, deadline)
                 sent += flat.numel()
-                del flat
         except WeightSyncError:
             self.close(failed=True)  # a fresh group (new name) forms at the next publish
             raise

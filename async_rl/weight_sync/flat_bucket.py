@@ -61,11 +61,11 @@ def offsets(dtypes: list[str], shapes: list[list[int]]) -> tuple[list[tuple[int,
 
 
 def pack(source: WeightSource, names: list[str], dtypes: list[str], shapes: list[list[int]],
-         device: torch.device | str) -> torch.Tensor:
-    """One uint8 tensor on `device` holding `names` back to back in `dtypes` (the only copy made:
-    each tensor is converted straight into its slot)."""
+         device: torch.device | str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One uint8 tensor on `device` holding `names` back to back in `dtypes`, each tensor converted straight
+    into its slot; written into the front of `out` when given (one buffer reused for every bucket)."""
     ranges, total = offsets(dtypes, shapes)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    flat = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out[:total]
     with torch.no_grad():
         for name, dtype, (start, end) in zip(names, dtypes, ranges):
             if end > start:
