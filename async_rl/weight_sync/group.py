@@ -170,7 +170,7 @@ def broadcast(group: Any, tensor: torch.Tensor, what: str, timeout_s: float, dea
                 if time.monotonic() > deadline:
                     raise TimeoutError("the broadcast did not complete (a peer is gone or stuck)")
                 time.sleep(_POLL_S)
-        work.wait()
+        work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))  # gloo: bounded here
     except (RuntimeError, TimeoutError) as exc:
         raise _failed(f"{what}: broadcast failed or timed out", timeout_s, exc) from None
 
