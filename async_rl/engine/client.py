@@ -294,7 +294,7 @@ class HttpGenerationClient:
         `group_name` and load them; `weight_version` (sent as a string) marks the version complete."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "weight_version": None if weight_version is None else str(int(weight_version)),
-                                   "load_format": load_format, "flush_cache": flush_cache, "timeout_s": timeout_s}
+                                   "load_format": load_format, "flush_cache": flush_cache}
         body = await self._weight_call("/update_weights_from_distributed", payload, timeout_s + 10.0)
         if weight_version is not None:
             self.weight_updated(weight_version)

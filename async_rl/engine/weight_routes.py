@@ -4,7 +4,6 @@
                                            "group_name", "backend"} (+ "timeout_s", ours)
     POST /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name", "weight_version",
                                            "flush_cache", "abort_all_requests", "load_format", ...}
-                                          (+ "timeout_s", ours)
     POST /destroy_weights_update_group    {"group_name"}
 
 Field shapes follow SGLang's (`srt/managers/io_struct.py`); unknown SGLang fields are
@@ -19,7 +18,7 @@ version until it is complete (`AsyncEngine.load_tensors`): the request that carr
 every parameter has arrived. So a forward pass never mixes two versions. A transfer that
 fails leaves the parameters partly updated (as SGLang does) and the loop paused until a
 whole version loads; the rollout side fences such a server. A group join or a transfer that
-does not finish within `timeout_s` fails with 400.
+does not finish within the group's `timeout_s` fails with 400.
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ class UpdateDistributedRequest(_SGLangShaped):
     flush_cache: bool = True  # the embedded engine drops its prefix cache whenever a version completes
     abort_all_requests: bool = False
     load_format: Literal["flattened_bucket"] | None = None
-    timeout_s: float = 120.0
 
 
 class DestroyGroupRequest(_SGLangShaped):
