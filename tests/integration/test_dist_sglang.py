@@ -178,6 +178,16 @@ def _sglang_rank(msg: dict, tp_rank: int, out: str, die_after: int | None = None
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def _wait(child: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The child's output once it exits; killed (never left behind) if it has not within `timeout`."""
+    try:
+        return child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+
+
 def _publish(publisher: DistWeightPublisher, weights, version: int):
     announced: list[dict] = []
     ready, errors = threading.Event(), []
@@ -205,7 +215,7 @@ def test_sglangs_own_group_helper_meets_our_publisher_and_gets_a_multi_bucket_mo
     assert msg["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}  # tied: sent once
     assert "lm_head.weight" not in msg["names"]
     children = [_sglang_rank(msg, tp, str(tmp_path / f"tp{tp}.pt")) for tp in (0, 1)]
-    outs = [c.communicate(timeout=120) for c in children]
+    outs = [_wait(c, 120) for c in children]
     thread.join(60)
     assert not errors and not thread.is_alive(), errors
     for child, (stdout, stderr) in zip(children, outs):
@@ -229,7 +239,7 @@ def test_a_rank_that_dies_mid_version_fails_the_publish_within_the_deadline_and_
     msg = announced[0]
     name = msg["group"]["group_name"]
     child = _sglang_rank(msg, 0, str(tmp_path / "dead.pt"), die_after=msg["buckets"][2][0])
-    _, stderr = child.communicate(timeout=120)
+    _, stderr = _wait(child, 120)
     assert child.returncode == 3, stderr[-2000:]
     thread.join(deadline + 10)
     assert not thread.is_alive() and time.monotonic() - t0 < deadline + 10  # a clean failure, not a hang
@@ -241,7 +251,7 @@ def test_a_rank_that_dies_mid_version_fails_the_publish_within_the_deadline_and_
     thread, announced, errors = _publish(publisher, trainer.weights(), 2)
     assert announced[0]["group"]["group_name"] != name
     child = _sglang_rank(announced[0], 0, str(tmp_path / "live.pt"))
-    _, stderr = child.communicate(timeout=120)
+    _, stderr = _wait(child, 120)
     thread.join(60)
     assert child.returncode == 0 and not errors, stderr[-2000:]
     publisher.close()

@@ -88,7 +88,10 @@ def test_a_dist_publish_holds_at_most_one_bucket_of_extra_memory():
     publish_weights(publisher, queue, trainer.weights(), 1)  # warm: the group forms, gloo allocates its buffers
     streamed = _extra(lambda: publish_weights(publisher, queue, trainer.weights(), 2))
     copied = _extra(lambda: publish_weights(publisher, queue, trainer.state_dict(), 3))  # the old call site
-    out, err = peer[0].communicate(timeout=120)
+    try:
+        out, err = peer[0].communicate(timeout=120)
+    finally:
+        peer[0].kill()  # never left behind (a no-op once it has exited)
     publisher.close()
     print(f"extra memory of a publish: {streamed / 2**20:.1f} MiB streamed from the parameters, "
           f"{copied / 2**20:.1f} MiB through a CPU copy; bucket {BUCKET / 2**20:.0f} MiB, model "

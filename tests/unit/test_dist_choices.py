@@ -119,7 +119,10 @@ def _publish_to_peer(backend: str, trainer_device: str, peer_device: str, die_at
     thread = threading.Thread(target=lambda: _catch(errors, pub.publish, weights, 1))
     thread.start()
     thread.join(deadline_s + 60)
-    out, err = peers[0].communicate(timeout=60)
+    try:
+        out, err = peers[0].communicate(timeout=60)
+    finally:
+        peers[0].kill()  # never left behind (a no-op once it has exited)
     return not thread.is_alive(), errors, peers[0].returncode, out + err, pub
 
 
