@@ -42,6 +42,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto = CUDA when present)
     host: str = "127.0.0.1"  # address the generation server binds
     port: int = 0  # 0 picks a free port
+    tp_size: int = 1  # tensor-parallel GPUs of one SGLang server (its ranks in the dist weight group)
     max_running: int = 64  # most sequences decoded together
     max_tokens_per_step: int = 2048  # token budget of one engine step (prefill + decode)
     kv_cache_mb: float = 256.0  # memory budget of the paged KV cache on CPU (on CUDA: engine.gpu_memory_fraction)
@@ -299,7 +300,7 @@ def validate(cfg: Config) -> None:
     positive = ["total_steps", "rollout.group_size", "rollout.max_new_tokens", "rollout.max_concurrent",
                 "trainer.batch_size", "trainer.minibatches", "trainer.micro_batch_tokens",
                 "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",
-                "transport.capacity", "task.eval_size", "rollout.num_servers", "trainer.world_size",
+                "transport.capacity", "task.eval_size", "rollout.num_servers", "trainer.world_size", "engine.tp_size",
                 "weight_sync.bucket_mb", "weight_sync.deadline_s", "rollout.health_interval_s",
                 "ray.placement_timeout_s", "agent.max_assistant_turns", "agent.max_response_tokens",
                 "agent.max_parallel_tool_calls"]

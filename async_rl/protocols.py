@@ -47,13 +47,15 @@ class TrajectorySink(Protocol):
 class WeightPublisher(Protocol):
     """Makes a trainer's weights of one version available to the rollout side."""
 
-    def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any] | None:
+    def publish(self, weights: Any, version: int) -> dict[str, Any] | None:
         """Make `version` available (raising, with the old version still in use, on any failure or
         after `weight_sync.deadline_s`); return the "weights" control message that tells the rollout
         side, or None when the publisher already sent it (dist: it must precede the collective).
+        `weights`: `trainer.weights()` (a `utils.weights.WeightSource`, read from the parameters tensor
+        by tensor: no copy of the model) or a state dict.
 
         Implementations: disk (a file on a shared file system), zmq (checksummed buckets over the
-        trajectory queue), dist (bucketed broadcast over a torch.distributed group)."""
+        trajectory queue), dist (one broadcast per flattened bucket over a torch.distributed group)."""
         ...
 
 

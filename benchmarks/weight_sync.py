@@ -1,7 +1,9 @@
 """Seconds per weight update for the `disk`, `zmq` and `dist` transports, peak extra memory, interruption.
 
 Three processes, as in a run: the trainer (spawned) publishes a few versions of a random
-fp32 state dict of the model's shapes through the transport's publisher; the generation
+fp32 model of the given shapes through the transport's publisher, on the path training uses
+(`PPOTrainer.weights()`: read from the parameters bucket by bucket, no copy of the model);
+the generation
 server (spawned: the embedded engine, fp32, same model, served over HTTP) decodes four
 streaming requests; this process is the rollout side, whose receiver loads each version
 into the server through its routes, exactly as a run does:
@@ -10,7 +12,9 @@ into the server through its routes, exactly as a run does:
         a memory-mapped swap at one step boundary);
 - zmq:  chunks over a real trajectory queue (tcp loopback, one-bucket flow-control window) into
         a staged file on this side, then `/update_weights_from_disk` (what real SGLang serves too);
-- dist: a gloo group; the engine receives the buckets through `/update_weights_from_distributed`.
+- dist: a gloo group formed as SGLang forms it; one `/update_weights_from_distributed` per flattened
+        bucket (between `/begin_weight_update` and `/end_weight_update`), which the engine receives
+        straight into its parameters.
 
 Per update: seconds from the trainer starting to publish to the engine serving the new
 version; peak extra memory (RSS, sampled every 2 ms, above the level just before) of the
@@ -53,13 +57,15 @@ import httpx
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from async_rl.config import EngineConfig
+from async_rl.config import EngineConfig, TrainerConfig
 from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import build_tiny_tokenizer
 from async_rl.transport.client import TrajectoryQueueClient
+from async_rl.trainer.trainer import PPOTrainer
 from async_rl.transport.queue import TrajectoryQueueServer
 from async_rl.weight_sync.disk import DiskWeightPublisher
-from async_rl.weight_sync.dist import DistWeightPublisher, DistWeightReceiver
+from async_rl.weight_sync.dist_publisher import DistWeightPublisher
+from async_rl.weight_sync.dist_receiver import DistWeightReceiver
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
 from launch.serve import BackgroundServer
 
@@ -127,7 +133,7 @@ def zmq_io_cpu_s() -> float:
 # --------------------------------------------------------------------------- trainer process
 def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, tmp: str, out_q, in_q) -> None:
     torch.set_num_threads(1)
-    state = build(model, seed=1).state_dict()
+    ppo = PPOTrainer(build(model, seed=1), TrainerConfig(), temperature=1.0, max_staleness=1, seed=1)
     bucket = int(bucket_mb * 2**20)
     queue = None
     if transport == "disk":
@@ -138,12 +144,12 @@ def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, t
         queue.wait_for_producer(60)
         pub = ZmqWeightPublisher(queue.broadcast, bucket, deadline_s=120)
     else:
-        pub = DistWeightPublisher(out_q.put, num_servers=1, bucket_bytes=bucket, deadline_s=120)
+        pub = DistWeightPublisher(out_q.put, world_size=2, bucket_bytes=bucket, deadline_s=120)
     for v in versions:
         in_q.get(timeout=300)  # the rollout side is ready for the next version
         mem = PeakMemory().start()
         out_q.put(("start", v, time.time()))
-        msg = pub.publish(state, v)
+        msg = pub.publish(ppo.weights(), v)  # as launch/trainer_proc.publish_weights does
         if msg is not None:
             (queue.broadcast if queue is not None else out_q.put)(msg)
         stats = dict(getattr(pub, "stats", {}))
@@ -282,7 +288,7 @@ async def _rollout(transport, model, url, engine_qs, versions, tmp, out_q, in_q)
             phases["queue/bulk_held_peak_bytes"] = queue.stats()["queue/bulk_held_peak_bytes"]
         else:
             msg = await get()
-            t_staged = None  # staged inside the server's route
+            t_staged = None  # received into the parameters inside the server's route
             await receiver.load(client, await receiver.prepare(msg), v)
             _, _, t_pub, *tmem, tstats = await get()
             served = {}

@@ -92,6 +92,8 @@ def sglang_command(cfg: Config, port: int) -> list[str]:
         cmd += ["--dtype", cfg.model.dtype]
     if cfg.engine.gpu_memory_fraction:  # its share of a GPU (placement sets it where the trainer shares the GPU)
         cmd += ["--mem-fraction-static", f"{cfg.engine.gpu_memory_fraction:g}"]
+    if cfg.engine.tp_size > 1:  # its ranks in the dist weight group follow (rank_offset + tp_rank)
+        cmd += ["--tp-size", str(cfg.engine.tp_size)]
     if cfg.engine.api_key:  # SGLang then refuses requests without the bearer token, as the embedded server does
         cmd += ["--api-key", resolve_secret(cfg.engine.api_key, "engine.api_key")]
     return cmd

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -95,11 +96,12 @@ def _wait_producers_gone(queue: TrajectoryQueueServer, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def publish_weights(publisher: WeightPublisher, queue: TrajectoryQueueServer, state_dict: dict,
+def publish_weights(publisher: WeightPublisher, queue: TrajectoryQueueServer, weights: Any,
                     version: int) -> dict[str, float]:
     """Publish one version through `weight_sync.transport` and tell the rollout side; return sync/ metrics.
+    `weights`: `trainer.weights()`, read from the parameters bucket by bucket (no copy of the model).
     Raises (the old weights stay in use everywhere) when the transport fails or misses its deadline."""
-    msg = publisher.publish(state_dict, version)
+    msg = publisher.publish(weights, version)
     if msg is not None:  # dist announces the version itself, before its collective
         queue.broadcast(msg)
     return dict(getattr(publisher, "stats", {}))
@@ -187,7 +189,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
                                     book.prompts)
             stats["train/skipped_batches"] = skipped
             t1 = time.perf_counter()
-            stats.update(publish_weights(publisher, queue, trainer.state_dict(), trainer.policy_version))
+            stats.update(publish_weights(publisher, queue, trainer.weights(), trainer.policy_version))
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
                           "timing/publish_s": time.perf_counter() - t1, "timing/step_s": time.perf_counter() - t0})
@@ -295,7 +297,7 @@ class _Rejoin:
             return  # a side that joins at the start already holds version 0
         logger.info("a rollout side joined at version %d: publishing the current weights again",
                     self.trainer.policy_version)
-        publish_weights(self.publisher, self.queue, self.trainer.state_dict(), self.trainer.policy_version)
+        publish_weights(self.publisher, self.queue, self.trainer.weights(), self.trainer.policy_version)
 
 
 def _skip_batch(queue: TrajectoryQueueServer, n: int, version: int, skipped: int) -> None:

@@ -5,7 +5,7 @@
 
 Rank 0 owns the queue, metrics, checkpoints and publishing and hosts a TCPStore at
 master_addr:master_port. The store carries the process group's rendezvous and a command
-channel: every call rank 0 makes on the trainer (`train_step`, `state_dict`,
+channel: every call rank 0 makes on the trainer (`train_step`, `state_dict`, `weights`,
 `save_checkpoint`, `load_checkpoint`, `close`) is first written there as one msgpack frame
 (trajectories travel in their wire form, never pickled), then run locally; each follower
 reads the command, runs the same call, and so joins the same collectives (so a resume
@@ -103,6 +103,11 @@ class Leader:
         self._announce("state_dict")
         return self.trainer.state_dict()
 
+    def weights(self) -> Any:
+        """The weights as a source rank 0 publishes from; the followers gather along (`WeightSource.close`)."""
+        self._announce("weights")
+        return self.trainer.weights()
+
     def rng_state(self) -> dict[str, Any]:
         return self.trainer.rng_state()  # every rank draws the same minibatch assignments: rank 0 speaks for all
 
@@ -161,6 +166,7 @@ class Leader:
 _COMMANDS: dict[str, Callable[[TrainerBackend, dict[str, Any]], Any]] = {
     "train_step": lambda t, c: t.train_step([[Trajectory.from_wire(x) for x in g] for g in c["groups"]]),
     "state_dict": lambda t, c: t.state_dict(),
+    "weights": lambda t, c: t.weights().close(),
     "save_checkpoint": lambda t, c: t.save_checkpoint(c["path"], c["step"], c["extra"]),
     "load_checkpoint": lambda t, c: t.load_checkpoint(c["path"]),
 }

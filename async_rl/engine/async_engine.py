@@ -19,6 +19,7 @@ also answer while generation is paused.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -142,6 +143,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._paused = False
+        self._partial: set[str] | None = None  # names loaded of a version that arrives in parts (loop thread)
+        self._held = False  # the loop was paused for that version and resumes once it is complete
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._stale_aborts: Counter[str] = Counter()  # early-finished aborts whose engine report is still due
         self._counts = Counter({"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "weight_updates": 0,
@@ -362,8 +365,7 @@ class AsyncEngine:
 
         def apply() -> dict[str, float]:
             stats = self.engine.update_weights(state, version)
-            self.weight_version = version
-            self._counts["weight_updates"] += 1
+            self._committed(version)
             return stats
 
         return {"engine/update_read_s": read_s, **(await self._call(apply))}
@@ -390,13 +392,9 @@ class AsyncEngine:
         mixes two versions. Each tensor is copied once from a memory map: no second copy of the model is
         held. Names and shapes are checked before any weight changes (the old weights stay on error), and a
         version not newer than the current one is refused. `/update_weights_from_disk` loads this way."""
-        from async_rl.weight_sync.staging import WeightVersionError, map_weights
+        from async_rl.weight_sync.staging import map_weights
 
-        def check() -> None:
-            if version <= self.weight_version:
-                raise WeightVersionError(f"weight_version: {version} is not newer than the version in use "
-                                         f"({self.weight_version}); a version going backwards is refused")
-
+        check = functools.partial(self._check_newer, version)
         check()
         t0 = time.perf_counter()
         state = await asyncio.to_thread(map_weights, path)
@@ -405,14 +403,53 @@ class AsyncEngine:
         def apply() -> dict[str, float]:
             check()
             stats = self.engine.update_weights(state, version)
-            self.weight_version = version
-            self._counts["weight_updates"] += 1
+            self._committed(version)
             return stats
 
         try:
             return {"engine/update_read_s": read_s, **(await self._call(apply))}
         finally:
             state.clear()
+
+    async def load_tensors(self, named: list[tuple[str, torch.Tensor]], version: int | None) -> dict[str, float]:
+        """Copy tensors straight into the parameters (SGLang's `/update_weights_from_distributed`: a version
+        may arrive in several calls, one per bucket). The first call of a version holds the loop paused, so
+        no forward pass mixes two versions, until the call that completes it: the one carrying `version`,
+        or without one, the one after which every parameter has arrived (then the version is the current
+        one + 1). A version not newer than the one in use is refused before anything is copied. A version
+        that never completes (its transfer failed) leaves the loop paused until a whole one loads.
+        Returns engine/* stats; "engine/weights_complete" says whether this call completed the version."""
+        def apply() -> dict[str, float]:
+            if version is not None:
+                self._check_newer(version)
+            t0 = time.perf_counter()
+            if self._partial is None:
+                self._partial, self._held, self._paused = set(), not self._paused, True
+            self.engine.load_tensors(named)
+            self._partial.update(n for n, _ in named)
+            if version is None and self.engine.missing_parameters(self._partial):
+                return {"engine/update_load_s": time.perf_counter() - t0, "engine/weights_complete": 0.0}
+            done = self.weight_version + 1 if version is None else version
+            stats = self.engine.commit_weights(done, t0)
+            self._committed(done)
+            return {**stats, "engine/weights_complete": 1.0}
+
+        return await self._call(apply)
+
+    def _committed(self, version: int) -> None:
+        """Loop thread: `version` is in use; a version that was arriving in parts is over."""
+        self.weight_version = version
+        self._counts["weight_updates"] += 1
+        if self._partial is not None and self._held:
+            self._paused = False
+        self._partial, self._held = None, False
+
+    def _check_newer(self, version: int) -> None:
+        from async_rl.weight_sync.staging import WeightVersionError
+
+        if version <= self.weight_version:
+            raise WeightVersionError(f"weight_version: {version} is not newer than the version in use "
+                                     f"({self.weight_version}); a version going backwards is refused")
 
 
 def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

@@ -92,6 +92,10 @@ class HttpGenerationClient:
     # ------------------------------------------------------------------ plumbing
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None,
                        timeout_s: float | None = None) -> Any:
+        return self._check(path, await self._send(method, path, payload, timeout_s))
+
+    async def _send(self, method: str, path: str, payload: dict[str, Any] | None = None,
+                    timeout_s: float | None = None) -> httpx.Response:
         kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timeout_s}
         try:
             if method == "GET":
@@ -104,7 +108,7 @@ class HttpGenerationClient:
         except httpx.TransportError as exc:
             raise ServerUnreachableError(f"generation server {self.address} unreachable "
                                          f"({type(exc).__name__}: {exc})") from None
-        return self._check(path, resp)
+        return resp
 
     def _check(self, path: str, resp: httpx.Response) -> Any:
         if resp.status_code < 400:
@@ -252,7 +256,9 @@ class HttpGenerationClient:
 
     # ------------------------------------------------------------------ distributed weight updates (SGLang's routes)
     async def _weight_call(self, path: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        body = await self._request("POST", path, payload, timeout_s=timeout_s)
+        return self._succeeded(path, await self._request("POST", path, payload, timeout_s=timeout_s))
+
+    def _succeeded(self, path: str, body: Any) -> dict[str, Any]:
         if not body.get("success", False):
             raise RuntimeError(f"{self.address}{path}: {body.get('message', body)}")
         return body
@@ -266,17 +272,38 @@ class HttpGenerationClient:
             "world_size": int(world_size), "group_name": group_name, "backend": backend, "timeout_s": timeout_s},
             timeout_s + 10.0)
 
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """Open SGLang's weight-update session (0.5.23 refuses distributed updates outside one; a server
+        without the route, as SGLang before it, needs none)."""
+        return await self._session_call("/begin_weight_update")
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self._session_call("/end_weight_update")
+
+    async def _session_call(self, path: str) -> dict[str, Any]:
+        resp = await self._send("POST", path, {}, 30.0)
+        if resp.status_code == 404:
+            return {"success": True, "message": f"{path}: no such route here (no session to open)"}
+        return self._succeeded(path, self._check(path, resp))
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, weight_version: int, *, load_format: str | None = None,
-                                              bucket_bytes: int | None = None,
+                                              group_name: str, weight_version: int | None, *,
+                                              load_format: str | None = None, flush_cache: bool = True,
                                               timeout_s: float = 120.0) -> dict[str, Any]:
-        """Receive one version broadcast by the trainer over `group_name` and load it."""
+        """Receive the tensors named (one bucket, or a whole version) broadcast by the trainer over
+        `group_name` and load them; `weight_version` (sent as a string) marks the version complete."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                                   "weight_version": int(weight_version), "load_format": load_format,
-                                   "flush_cache": True}
-        if bucket_bytes is not None:
-            payload["bucket_bytes"] = int(bucket_bytes)
-        return await self._weight_call("/update_weights_from_distributed", payload, timeout_s + 10.0)
+                                   "weight_version": None if weight_version is None else str(int(weight_version)),
+                                   "load_format": load_format, "flush_cache": flush_cache}
+        body = await self._weight_call("/update_weights_from_distributed", payload, timeout_s + 10.0)
+        if weight_version is not None:
+            self.weight_updated(weight_version)
+        return body
+
+    async def tp_size(self) -> int:
+        """The server's tensor-parallel ranks (SGLang's `/server_info` tp_size; 1 where it has none)."""
+        info = await self._request("GET", "/server_info", timeout_s=30.0)
+        return int(info.get("tp_size") or 1) if isinstance(info, dict) else 1
 
     async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
         return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name},

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Iterable, Mapping, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -212,12 +212,52 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Load a whole state dict (checked before anything changes) and commit it as `version`."""
         t0 = time.perf_counter()
         params = self.model.state_dict(keep_vars=True)
-        self._check_state_dict(state_dict, params)
+        self._check_named(state_dict.items(), params)
+        # tied weights (embed_tokens / lm_head) are one tensor: either name is enough
+        missing = self.missing_parameters(set(state_dict))
+        if missing:
+            raise ValueError(f"state_dict: missing parameters {missing[:5]} ({len(missing)} in all)")
+        self._copy(state_dict.items(), params)
+        return self.commit_weights(version, t0)
+
+    def load_tensors(self, named: Seq[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the parameters of the same names (converting dtype and device); the version
+        in use does not change until `commit_weights`. ValueError naming them if any name or shape is
+        not this model's (nothing is copied then)."""
+        params = self.model.state_dict(keep_vars=True)
+        self._check_named(named, params)
+        self._copy(named, params)
+
+    @staticmethod
+    def _check_named(named: Iterable[tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor]) -> None:
+        named = list(named)
+        unknown = sorted(n for n, _ in named if n not in params)
+        if unknown:
+            raise ValueError(f"state_dict: unknown parameter names {unknown[:5]} (not in model.state_dict())")
+        bad = [f"{n} {tuple(t.shape)} != {tuple(params[n].shape)}" for n, t in named
+               if tuple(t.shape) != tuple(params[n].shape)]
+        if bad:
+            raise ValueError(f"state_dict: shape mismatch for {bad[:5]}")
+
+    @staticmethod
+    def _copy(named: Iterable[tuple[str, torch.Tensor]], params: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for name, tensor in state_dict.items():
+            for name, tensor in named:
                 params[name].copy_(tensor)
+
+    def missing_parameters(self, loaded: set[str]) -> list[str]:
+        """Parameters none of whose names (tied ones share a tensor) is in `loaded`."""
+        by_storage: dict[int, list[str]] = {}
+        for name, p in self.model.state_dict(keep_vars=True).items():
+            by_storage.setdefault(p.data_ptr(), []).append(name)
+        return sorted(n for names in by_storage.values() if not loaded.intersection(names) for n in names)
+
+    def commit_weights(self, version: int, t0: float | None = None) -> dict[str, float]:
+        """The parameters as loaded are now `version`: sequences in flight recompute their KV."""
+        t0 = time.perf_counter() if t0 is None else t0
         self.policy_version = version
         interrupted = self.scheduler.interrupt_all()
         self.block_manager.reset_prefix_cache()
@@ -227,24 +267,6 @@ class LLMEngine:
         logger.info("weights v%d loaded in %.3fs; %d sequences will recompute their KV",
                     version, load_s, len(interrupted))
         return {"engine/update_load_s": load_s, "engine/interrupted": float(len(interrupted))}
-
-    @staticmethod
-    def _check_state_dict(state_dict: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
-        unknown = sorted(set(state_dict) - set(params))
-        if unknown:
-            raise ValueError(f"state_dict: unknown parameter names {unknown[:5]} (not in model.state_dict())")
-        bad = [f"{k} {tuple(v.shape)} != {tuple(params[k].shape)}" for k, v in state_dict.items()
-               if tuple(v.shape) != tuple(params[k].shape)]
-        if bad:
-            raise ValueError(f"state_dict: shape mismatch for {bad[:5]}")
-        # tied weights (embed_tokens / lm_head) are one tensor: either name is enough
-        by_storage: dict[int, list[str]] = {}
-        for name, p in params.items():
-            by_storage.setdefault(p.data_ptr(), []).append(name)
-        missing = sorted(n for names in by_storage.values() if not any(x in state_dict for x in names)
-                         for n in names)
-        if missing:
-            raise ValueError(f"state_dict: missing parameters {missing[:5]} ({len(missing)} in all)")
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:

@@ -4,40 +4,39 @@
                                            "group_name", "backend"} (+ "timeout_s", ours)
     POST /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name", "weight_version",
                                            "flush_cache", "abort_all_requests", "load_format", ...}
-                                          (+ "bucket_bytes", "timeout_s", ours)
     POST /destroy_weights_update_group    {"group_name"}
 
-Field shapes follow SGLang's (see SGLANG.md); unknown SGLang fields are accepted and
-ignored. `load_format=None` means SGLang's default, one broadcast per tensor in `names`
-order; `"flattened_bucket"` means ours: the packed tensors cut into `bucket_bytes`
-buckets (`weight_sync.layout`). Either way the version is staged in a file while
-generation goes on, then swapped in at one step boundary (`update_weights_from_staged`):
-a forward pass never mixes two versions, and on any error the old weights stay in use.
-A group join or a transfer that does not finish within `timeout_s` fails with 400.
+Field shapes follow SGLang's (`srt/managers/io_struct.py`); unknown SGLang fields are
+accepted and ignored. One update request receives exactly what SGLang receives for it
+(`weight_sync.dist_server`): `load_format="flattened_bucket"` is ONE broadcast of every
+tensor the request names, `None` one broadcast per named tensor. A model arrives in one
+request or in several (one per bucket, between `/begin_weight_update` and
+`/end_weight_update`); each request's tensors go straight into the parameters on the
+engine's device, with the engine loop held at a step boundary from the first part of a
+version until it is complete (`AsyncEngine.load_tensors`): the request that carries
+`weight_version` (a string, as SGLang declares it), or, without one, the request after which
+every parameter has arrived. So a forward pass never mixes two versions. A transfer that
+fails leaves the parameters partly updated (as SGLang does) and the loop paused until a
+whole version loads; the rollout side fences such a server. A group join or a transfer that
+does not finish within the group's `timeout_s` fails with 400.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine
 from async_rl.engine.server import ApiError
-from async_rl.types import WireFormatError
-from async_rl.weight_sync.dist import DistWeightGroups
-from async_rl.weight_sync.layout import WeightLayout
+from async_rl.weight_sync.dist_server import DistWeightGroups
+from async_rl.weight_sync.layout import dtype_name
 from async_rl.weight_sync.staging import WeightSyncError
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_BYTES = 128 << 20
-
 
 class _SGLangShaped(BaseModel):
     model_config = ConfigDict(extra="ignore")  # SGLang adds fields release by release
@@ -58,31 +57,29 @@ class UpdateDistributedRequest(_SGLangShaped):
     dtypes: list[str]
     shapes: list[list[StrictInt]]
     group_name: str = "weight_update_group"
-    weight_version: StrictInt | str | None = None  # SGLang sends a string; ours are integers
-    flush_cache: bool = True  # the embedded engine always drops its prefix cache on an update
+    weight_version: str | None = None  # SGLang's type; ours are integers written as strings
+    flush_cache: bool = True  # the embedded engine drops its prefix cache whenever a version completes
     abort_all_requests: bool = False
     load_format: Literal["flattened_bucket"] | None = None
-    bucket_bytes: StrictInt = DEFAULT_BUCKET_BYTES
 
 
 class DestroyGroupRequest(_SGLangShaped):
     group_name: str = "weight_update_group"
 
 
-def _version(req: UpdateDistributedRequest, current: int) -> int:
+def _version(req: UpdateDistributedRequest) -> int | None:
     if req.weight_version is None:
-        return current + 1
+        return None
     try:
         return int(req.weight_version)
     except ValueError:
         raise ApiError(400, f"weight_version: must be an integer, got {req.weight_version!r}") from None
 
 
-def weight_router(engine: AsyncEngine, stage_dir: str | Path | None = None) -> APIRouter:
-    """The routes, sharing one set of groups; versions are staged under `stage_dir` (a temp dir by default)."""
+def weight_router(engine: AsyncEngine) -> APIRouter:
+    """The routes, sharing one set of groups; tensors are received on the engine's device."""
     router = APIRouter()
-    device = engine.engine.runner.device
-    groups = DistWeightGroups(stage_dir or tempfile.mkdtemp(prefix="async_rl_stage_"), device)
+    groups = DistWeightGroups(engine.engine.runner.device)
     lock = asyncio.Lock()  # one collective at a time per server
 
     @router.post("/init_weights_update_group")
@@ -98,36 +95,36 @@ def weight_router(engine: AsyncEngine, stage_dir: str | Path | None = None) -> A
 
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateDistributedRequest):
-        version = _version(req, engine.weight_version)
-        if version <= engine.weight_version:
+        version = _version(req)
+        if version is not None and version <= engine.weight_version:
             raise ApiError(400, f"weight_version: {version} is not newer than the version in use "
                                 f"({engine.weight_version}); a version going backwards is refused")
         try:
-            layout = WeightLayout.from_specs(req.names, req.dtypes, req.shapes, version=version,
-                                             bucket_bytes=req.bucket_bytes)
-        except (ValueError, WireFormatError) as exc:
+            if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
+                raise ValueError(f"names, dtypes, shapes: must have the same length, got "
+                                 f"{len(req.names)}, {len(req.dtypes)}, {len(req.shapes)}")
+            dtypes = [dtype_name(d, f"dtypes[{i}]") for i, d in enumerate(req.dtypes)]
+        except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         async with lock:
             aborted = await engine.abort_all() if req.abort_all_requests else 0
             try:
-                path = await asyncio.to_thread(groups.receive, req.group_name, layout, req.load_format is None)
+                tensors = await asyncio.to_thread(groups.receive, req.group_name, req.names, dtypes, req.shapes,
+                                                  req.load_format)
+                stats = await engine.load_tensors(tensors, version)
             except WeightSyncError as exc:
                 raise ApiError(400, str(exc)) from None
-        try:
-            stats = await engine.update_weights_from_staged(str(path), version)
-        except WeightSyncError as exc:
-            raise ApiError(400, str(exc)) from None
-        except ValueError as exc:  # names or shapes that are not this model's
-            raise ApiError(400, f"names: {exc}") from None
-        finally:
-            path.unlink(missing_ok=True)
-        return {"success": True, "message": f"loaded weight version {version} from group {req.group_name!r}",
-                "weight_version": version, "num_paused_requests": int(stats.get("engine/interrupted", 0)),
+            except ValueError as exc:  # names or shapes that are not this model's, an unaligned bucket
+                raise ApiError(400, f"names: {exc}") from None
+        done = engine.weight_version if stats.get("engine/weights_complete") else None
+        return {"success": True, "message": f"loaded {len(tensors)} tensors from group {req.group_name!r}" +
+                (f"; weight version {done} in use" if done is not None else ""),
+                "weight_version": done, "num_paused_requests": int(stats.get("engine/interrupted", 0)),
                 "num_aborted_requests": aborted, **stats}
 
     @router.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(req: DestroyGroupRequest):
-        found = groups.destroy(req.group_name)
+        found = await asyncio.to_thread(groups.destroy, req.group_name)
         return {"success": found, "message": f"group {req.group_name!r} " + ("destroyed" if found else "not found")}
 
     return router

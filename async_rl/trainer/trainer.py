@@ -3,7 +3,7 @@
     model = load_model(ModelConfig(), seed=0)
     trainer = PPOTrainer(model, TrainerConfig(), temperature=1.0, max_staleness=1, seed=0)
     stats = trainer.train_step(groups)      # list of groups, each a list of Trajectory
-    publisher.publish(trainer.state_dict(), trainer.policy_version)
+    publisher.publish(trainer.weights(), trainer.policy_version)
 
 A step (1) drops trajectories whose oldest sampled token is more than `max_staleness`
 versions older than `policy_version`, (2) computes group-relative advantages, (3)
@@ -36,6 +36,7 @@ from async_rl.trainer.batching import Batch, collate, micro_batches, token_logpr
 from async_rl.trainer.loss import get_loss
 from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_dtype
+from async_rl.utils.weights import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,13 @@ class PPOTrainer:
     def set_rng_state(self, state: dict[str, Any]) -> None:
         self._rng.bit_generator.state = json.loads(state["minibatch"])
 
+    def weights(self) -> WeightSource:
+        """The weights to publish: views of the parameters, named as model.state_dict(), read one tensor at
+        a time by the publisher (no copy of the model; a tied embedding and LM head stay one tensor)."""
+        return WeightSource.from_state_dict(self.model.state_dict())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """A detached CPU copy of the weights, named as model.state_dict().
+        """A detached CPU copy of the weights, named as model.state_dict() (checkpoints and tests).
 
         Entries that are one tensor in the model (tied embedding and LM head) stay one
         tensor here, so a publisher can store it once.

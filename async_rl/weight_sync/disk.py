@@ -2,7 +2,7 @@
 
 The trainer writes `weights_v{version:06d}.safetensors` and the rollout side (which shares
 its file system) loads that path into each server. The streaming transports (`zmq.py`,
-`dist.py`) stage files of the same format on the receiving side.
+`dist_*.py`) stream the same tensors; zmq stages files of this format on the receiving side.
 
 Files are written under a temporary name and renamed, so a reader never sees half a
 file: the publisher lays a version out as the streaming transports do (`layout.py`) and
@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from async_rl.utils.weights import as_source
 from async_rl.weight_sync.layout import WeightLayout
 from async_rl.weight_sync.staging import StagedFile
 
@@ -74,27 +75,33 @@ def check_keep_last(keep_last: int) -> int:
 class DiskWeightPublisher:
     """Writes one file per version atomically into `dir` and keeps the newest `keep_last` versions."""
 
-    def __init__(self, dir: str | Path, keep_last: int = 2):
+    def __init__(self, dir: str | Path, keep_last: int = 2, dtype: torch.dtype | None = None):
         self.dir = Path(dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep_last = check_keep_last(keep_last)
+        self.dtype = dtype  # floating tensors are written in this dtype (the engine's); None: as the model holds them
 
     def path_for(self, version: int) -> Path:
         return self.dir / weights_filename(version)
 
-    def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
-        """Write `state_dict` as version `version`; return the message telling readers where it is."""
+    def publish(self, weights: Any, version: int) -> dict[str, Any]:
+        """Write `weights` (a `WeightSource`, read tensor by tensor, or a state dict) as version `version`;
+        return the message telling readers where it is."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version: must be an integer >= 0, got {version!r}")
-        layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=WRITE_BYTES)
-        stale = stale_files(self.dir, version, self.keep_last)
-        stage = StagedFile(self.path_for(version), layout, reuse=stale[0] if stale else None)
+        source = as_source(weights)
         try:
-            for index, (start, end) in enumerate(layout.buckets):
-                stage.write(index, layout.read(tensors, start, end))
-        except BaseException:
-            stage.abandon()
-            raise
+            layout, tensors = WeightLayout.from_source(source, self.dtype, version=version, bucket_bytes=WRITE_BYTES)
+            stale = stale_files(self.dir, version, self.keep_last)
+            stage = StagedFile(self.path_for(version), layout, reuse=stale[0] if stale else None)
+            try:
+                for index, (start, end) in enumerate(layout.buckets):
+                    stage.write(index, layout.read(tensors, start, end))
+            except BaseException:
+                stage.abandon()
+                raise
+        finally:
+            source.close()
         out = stage.finish()
         prune(self.dir, version, self.keep_last)
         logger.debug("published weights v%d to %s", version, out)

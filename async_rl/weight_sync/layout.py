@@ -11,7 +11,7 @@ data section, so a receiver writes each one straight to its place in a file and 
 holds more than one bucket, and the finished file is an ordinary safetensors file
 (`disk.load_weights` reads it).
 
-    layout, tensors = WeightLayout.from_state_dict(model.state_dict(), version=3, bucket_bytes=128 << 20)
+    layout, tensors = WeightLayout.from_source(trainer.weights(), torch.bfloat16, version=3, bucket_bytes=128 << 20)
     for k, (start, end) in enumerate(layout.buckets):
         parts = layout.read(tensors, start, end)   # uint8 views, no copy on CPU
 """
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from async_rl.types import WireFormatError
+from async_rl.utils.weights import WeightSource
 
 try:  # ISA-L's CRC-32: the same checksum as zlib's, 3-8x faster here (12-30 GB/s against 3.5)
     from isal.isal_zlib import crc32 as _crc32
@@ -73,24 +74,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int  # byte offsets in the data section
     end: int
-
-
-def unique_tensors(state_dict: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """({name: tensor} without repeats, {dropped name: kept name}) for tensors that are one tensor (tied)."""
-    kept: dict[tuple, str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}]: expected a tensor, got {type(t).__name__}")
-        t = t.detach()
-        key = (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if t.numel() and key in kept:
-            aliases[name] = kept[key]
-            continue
-        kept[key] = name
-        tensors[name] = t
-    return tensors, aliases
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -146,13 +129,20 @@ class WeightLayout:
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, Any], *, version: int, bucket_bytes: int,
-                        chunk_bytes: int | None = None) -> tuple["WeightLayout", dict[str, torch.Tensor]]:
+                        chunk_bytes: int | None = None) -> tuple["WeightLayout", Mapping[str, torch.Tensor]]:
         """The layout of a state dict and its distinct tensors, by name."""
-        tensors, aliases = unique_tensors(state_dict)
-        layout = cls.from_specs(list(tensors), [t.dtype for t in tensors.values()],
-                                [list(t.shape) for t in tensors.values()], version=version,
-                                bucket_bytes=bucket_bytes, aliases=aliases, chunk_bytes=chunk_bytes)
-        return layout, tensors
+        return cls.from_source(WeightSource.from_state_dict(state_dict), None, version=version,
+                               bucket_bytes=bucket_bytes, chunk_bytes=chunk_bytes)
+
+    @classmethod
+    def from_source(cls, source: WeightSource, dtype: torch.dtype | None, *, version: int, bucket_bytes: int,
+                    chunk_bytes: int | None = None) -> tuple["WeightLayout", Mapping[str, torch.Tensor]]:
+        """The layout of a `WeightSource` with floating tensors in `dtype`, and its tensors in that
+        dtype by name (read from the source on access, one at a time)."""
+        names, dtypes, shapes = source.specs(dtype)
+        layout = cls.from_specs(names, dtypes, shapes, version=version, bucket_bytes=bucket_bytes,
+                                aliases=source.aliases, chunk_bytes=chunk_bytes)
+        return layout, source.wire_view(dtype)
 
     def chunks(self, index: int) -> list[tuple[int, int]]:
         """Bucket `index` cut into byte ranges of at most `chunk_bytes`, in order."""

@@ -15,7 +15,7 @@ from typing import Any
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, WeightReceiver
 from async_rl.weight_sync.disk import superseded
-from async_rl.weight_sync.dist import DistWeightReceiver
+from async_rl.weight_sync.dist_receiver import DistWeightReceiver, host_of
 from async_rl.weight_sync.zmq_buckets import ZmqWeightReceiver
 
 
@@ -53,7 +53,8 @@ def _zmq(cfg: Config, queue: Any) -> ZmqWeightReceiver:
 
 
 def _dist(cfg: Config, queue: Any) -> DistWeightReceiver:
-    return DistWeightReceiver(cfg.weight_sync.deadline_s)
+    return DistWeightReceiver(cfg.weight_sync.deadline_s, trainer_host=host_of(getattr(queue, "addr", "")
+                                                                                or cfg.transport.addr))
 
 
 RECEIVERS: dict[str, Callable[[Config, Any], WeightReceiver]] = {"disk": _disk, "zmq": _zmq, "dist": _dist}

@@ -36,8 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from async_rl.protocols import GenerationClient
 from async_rl.types import WireFormatError
+from async_rl.utils.weights import WeightSource, as_source
 from async_rl.weight_sync.disk import check_keep_last, prune, stale_files, superseded, weights_filename
 from async_rl.weight_sync.layout import WeightLayout, crc32
 from async_rl.weight_sync.staging import (BucketError, StagedFile, WeightSyncError, WeightsSuperseded,
@@ -66,25 +69,35 @@ class ZmqWeightPublisher:
     `TrajectoryQueueServer.broadcast`: it sends one BULK once the window has room (TimeoutError
     after `wait_s`) and returns a ticket whose `wait(timeout)` returns once every producer handled it."""
 
-    def __init__(self, send: Callable[..., Any], bucket_bytes: int, deadline_s: float):
+    def __init__(self, send: Callable[..., Any], bucket_bytes: int, deadline_s: float,
+                 dtype: torch.dtype | None = None):
         if not deadline_s > 0:
             raise ValueError(f"weight_sync.deadline_s: must be > 0, got {deadline_s}")
         self.send = send
+        self.dtype = dtype  # floating tensors travel in this dtype (the engine's); None: as the model holds them
         self.bucket_bytes = int(bucket_bytes)
         self.deadline_s = deadline_s
         self.last_version = -1
         self.stats: dict[str, float] = {}
 
-    def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
-        """Stream `state_dict` as `version`; return the commit message (the caller broadcasts it)."""
+    def publish(self, weights: Any, version: int) -> dict[str, Any]:
+        """Stream `weights` (a `WeightSource`, read tensor by tensor, or a state dict) as `version`; return
+        the commit message (the caller broadcasts it)."""
+        source = as_source(weights)
+        try:
+            return self._publish(source, version)
+        finally:
+            source.close()
+
+    def _publish(self, source: WeightSource, version: int) -> dict[str, Any]:
         # the same version again is a replay for a rollout side that joined; receivers that hold it skip it
         if isinstance(version, int) and version < self.last_version:
             raise WeightVersionError(f"version: {version} is older than the last published "
                                      f"({self.last_version})")
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         deadline = time.monotonic() + self.deadline_s
-        layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=self.bucket_bytes,
-                                                       chunk_bytes=chunk_bytes_for(self.bucket_bytes))
+        layout, tensors = WeightLayout.from_source(source, self.dtype, version=version, bucket_bytes=self.bucket_bytes,
+                                                   chunk_bytes=chunk_bytes_for(self.bucket_bytes))
         ticket = self._send({"kind": MANIFEST, **layout.to_wire()}, [], deadline, "the manifest")
         crc_s = wait_s = 0.0
         for index, (start, _) in enumerate(layout.buckets):

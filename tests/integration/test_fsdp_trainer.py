@@ -7,7 +7,9 @@ same config, so after 3 steps losses and parameters must agree to 1e-5. The lear
 is small (1e-4) because Adam's first steps move a weight by about lr * sign(grad): where a
 gradient is rounding noise, float32 summation order alone moves it by up to ~lr/10.
 
-Also: the world-size checks, and a follower rank that leaves when rank 0 dies.
+Also: the world-size checks, a publish read from the shards tensor by tensor (`weights()`,
+the other rank gathering along, also when the publish stops midway), and a follower rank
+that leaves when rank 0 dies.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from async_rl.placement import gpus_here, place, rank_device
 from async_rl.trainer.backends import RankInfo, get_backend
 from async_rl.trainer.checkpoint import load_checkpoint
 from async_rl.types import Trajectory
+from async_rl.weight_sync.disk import DiskWeightPublisher, load_weights
 from launch.common import free_port
 from launch.trainer_ranks import follower_main, lead
 
@@ -186,7 +189,16 @@ def _leader_then_vanish(cfg: Config, port: int, ready: str) -> None:
     trainer = lead(cfg, 2, "127.0.0.1", port)
     stats = trainer.train_step(_groups(0))
     assert trainer.train_step(_groups(-10))["train/dropped_stale"] == 16  # the follower must not lose count
-    assert trainer.state_dict()  # rank 0 gets the full weights; the follower joined the gather
+    full = trainer.state_dict()  # rank 0 gets the full weights; the follower joined the gather
+    assert full
+    for v in (1, 2):  # published tensor by tensor as the publisher reads them (the second deletes the first's keys)
+        msg = DiskWeightPublisher(Path(ready).parent / "weights", keep_last=2).publish(trainer.weights(), v)
+        got = load_weights(msg["path"])
+        assert set(got) == set(full) and all(torch.equal(got[k], full[k]) for k in full)
+    partial = trainer.weights()  # a publish that fails after two tensors: close() gathers the rest
+    partial.get(partial.names[1])
+    partial.close()
+    assert trainer.state_dict().keys() == full.keys()  # the ranks are still in step
     assert 1 not in trainer._unread  # a frame every follower has read is deleted from the store
     Path(ready).write_text(str(stats["train/loss"]))
     time.sleep(600)

@@ -8,11 +8,11 @@ within one bucket; a stalled rollout side fails the publish at the deadline, and
 leaves mid-stream does not hold the trainer up. disk: `/update_weights_from_disk` swaps
 a file (or a directory of shards) in from a memory map, refuses a version going backwards
 and keeps the old weights on any error. dist: a gloo group between the publisher (rank 0) and two served engines,
-driven through SGLang's routes: both get bit-identical weights, a second version reuses
-the group, a server that never joins fails the update at the deadline with a clear error
-(the old weights stay), and the next version forms a fresh group that every server joins
-again. A trainer written for SGLang (one broadcast per tensor, `load_format` None) works
-too, and a version going backwards is refused.
+driven through SGLang's routes (begin, one flattened bucket per request, end): both get
+bit-identical weights, a second version reuses the group, a server that never joins fails
+the update at the deadline with a clear error (the old weights stay), and the next version
+forms a fresh group that every server joins again. A trainer written for SGLang (one
+broadcast per tensor, `load_format` None) works too, and a version going backwards is refused.
 """
 
 import asyncio
@@ -31,7 +31,9 @@ from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.transport.queue import TrajectoryQueueServer
 from async_rl.types import SamplingParams
 from async_rl.weight_sync.disk import DiskWeightPublisher
-from async_rl.weight_sync.dist import DistWeightPublisher, DistWeightReceiver, open_group
+from async_rl.weight_sync import group as weight_group
+from async_rl.weight_sync.dist_publisher import DistWeightPublisher
+from async_rl.weight_sync.dist_receiver import DistWeightReceiver
 from async_rl.weight_sync.staging import WeightSyncError
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
 from launch.serve import BackgroundServer
@@ -289,7 +291,7 @@ def _dist_update(publisher, receiver, urls, state, version):
 
 def test_dist_gloo_delivers_bit_identical_weights_to_two_servers(servers):
     (url1, e1), (url2, e2) = servers
-    publisher = DistWeightPublisher(None, num_servers=2, bucket_bytes=20_000, deadline_s=20)
+    publisher = DistWeightPublisher(None, world_size=3, bucket_bytes=20_000, deadline_s=20)
     receiver = DistWeightReceiver(deadline_s=20)
     for seed in (20, 21):  # the second version reuses the group formed by the first
         version = max(e1.weight_version, e2.weight_version) + 1
@@ -305,7 +307,7 @@ def test_dist_gloo_delivers_bit_identical_weights_to_two_servers(servers):
 def test_dist_missing_server_fails_at_the_deadline_then_the_group_reforms(servers):
     (url1, e1), (url2, e2) = servers
     receiver = DistWeightReceiver(deadline_s=3)
-    publisher = DistWeightPublisher(None, num_servers=2, bucket_bytes=1 << 20, deadline_s=3)
+    publisher = DistWeightPublisher(None, world_size=3, bucket_bytes=1 << 20, deadline_s=3)
     before = {k: v.clone() for k, v in e1.engine.model.state_dict().items()}
     version = max(e1.weight_version, e2.weight_version) + 1
     t0 = time.monotonic()
@@ -333,9 +335,11 @@ def test_sglang_style_trainer_per_tensor_broadcast_and_bad_requests(servers):
     async def drive():
         http = HttpGenerationClient(url)
         group_box = {}
-        maker = threading.Thread(target=lambda: group_box.update(g=open_group("gloo", store, "sg", 0, 2, 20)))
+        maker = threading.Thread(target=lambda: group_box.update(
+            g=weight_group.new_group("gloo", store, f"sg{id(store)}", 0, 2, 20)))
         maker.start()
-        await http.init_weights_update_group("127.0.0.1", store.port, 1, 2, "sg", "gloo", timeout_s=20)
+        name = f"sg{id(store)}"
+        await http.init_weights_update_group("127.0.0.1", store.port, 1, 2, name, "gloo", timeout_s=20)
         maker.join(20)
         group = group_box["g"]
 
@@ -346,16 +350,17 @@ def test_sglang_style_trainer_per_tensor_broadcast_and_bad_requests(servers):
         sender = threading.Thread(target=broadcast_each)
         sender.start()
         body = await http.update_weights_from_distributed(
-            names, [str(state[n].dtype) for n in names], [list(state[n].shape) for n in names], "sg", version)
+            names, [str(state[n].dtype) for n in names], [list(state[n].shape) for n in names], name, version)
         sender.join(20)
         assert body["weight_version"] == version
         with pytest.raises(ValueError, match="weight_version: 1 is not newer"):
-            await http.update_weights_from_distributed(names[:1], ["float32"], [[1]], "sg", 1)
+            await http.update_weights_from_distributed(names[:1], ["float32"], [[1]], name, 1)
         with pytest.raises(ValueError, match=r"dtypes\[0\]: dtype 'complex64' cannot travel"):
-            await http.update_weights_from_distributed(names[:1], ["complex64"], [[1]], "sg", version + 1)
+            await http.update_weights_from_distributed(names[:1], ["complex64"], [[1]], name, version + 1)
         with pytest.raises(ValueError, match="group_name: 'nope' is not initialised"):
             await http.update_weights_from_distributed(names[:1], ["float32"], [[1]], "nope", version + 1)
-        assert (await http.destroy_weights_update_group("sg"))["success"]
+        assert (await http.destroy_weights_update_group(name))["success"]
+        weight_group.close(group)
         await http.close()
 
     asyncio.run(drive())

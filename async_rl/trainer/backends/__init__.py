@@ -11,7 +11,7 @@
   step equals the single-process step.
 
 A built trainer is SPMD: every rank calls the same methods in the same order (the launch
-layer forwards rank 0's calls to the other ranks). `state_dict()`, `save_checkpoint()` and
+layer forwards rank 0's calls to the other ranks). `state_dict()`, `weights()`, `save_checkpoint()` and
 `load_checkpoint()` are collective; rank 0 gets the full weights, the other ranks an empty dict;
 on load every rank reads the checkpoint itself and keeps its own shard (backends/scatter.py).
 """
@@ -26,6 +26,7 @@ import torch
 
 from async_rl.config import Config, TrainerConfig
 from async_rl.types import Trajectory
+from async_rl.utils.weights import WeightSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,10 @@ class TrainerBackend(Protocol):
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]: ...
 
     def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def weights(self) -> WeightSource:
+        """The weights to publish, read from the parameters tensor by tensor (collective on FSDP)."""
+        ...
 
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None: ...
 

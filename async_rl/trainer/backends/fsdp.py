@@ -3,6 +3,7 @@
     trainer = build(cfg, RankInfo(rank, world_size, store))   # on every rank; joins the process group
     stats = trainer.train_step(groups)                         # every rank, the same groups
     weights = trainer.state_dict()                             # every rank; full on rank 0, {} elsewhere
+    source = trainer.weights()                                 # every rank; rank 0 publishes it bucket by bucket
     meta = trainer.load_checkpoint(path)                       # every rank reads its own shard of the files
 
 Each decoder layer is one FSDP unit and the rest (embedding, final norm, the tied LM head)
@@ -39,12 +40,13 @@ from torch.distributed.tensor import DTensor
 from async_rl.config import Config, TrainerConfig
 from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
-from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict
+from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict, gathered_weights
 from async_rl.trainer.backends.scatter import load_sharded
 from async_rl.trainer.batching import Batch, token_logprobs
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer, _StatsAccumulator
 from async_rl.utils.hardware import resolve_device
+from async_rl.utils.weights import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +69,27 @@ class LogprobModel(torch.nn.Module):
 class FSDPTrainer(PPOTrainer):
     """PPOTrainer whose model is sharded over the default process group; see the module docstring."""
 
-    def __init__(self, root: LogprobModel, cfg: TrainerConfig, **kwargs: Any):
+    def __init__(self, root: LogprobModel, cfg: TrainerConfig, store: Any = None, **kwargs: Any):
         super().__init__(root, cfg, temperature=root.temperature, **kwargs)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.store = store  # the ranks' store: `weights` paces the other ranks through it
+        self._publishes = 0
 
     # ------------------------------------------------------------------ backend interface
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: full CPU weights named as the HF model's state_dict() on rank 0, {} elsewhere."""
         return gather_state_dict(self.model.lm)
+
+    def weights(self) -> WeightSource:
+        """Collective: the weights as a lazy source, gathered tensor by tensor while rank 0 publishes (each
+        rank calls it; the others then `close()` it, which gathers every tensor in order)."""
+        self._publishes += 1
+        source = gathered_weights(self.model.lm, self.store, f"weights/{self._publishes}")
+        if self.rank == 0 and self._publishes > 1:  # every rank has passed the last publish's keys: its gathers ended
+            for i in range(len(source.names)):
+                self.store.delete_key(f"weights/{self._publishes - 1}/{i}")
+        return source
 
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
         """Collective: rank 0 writes the same checkpoint layout as the single backend (full tensors)."""
@@ -223,7 +237,7 @@ def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
             module.set_force_sum_reduction_for_comms(True)
     logger.info("fsdp rank %d/%d on %s: %d FSDP units", rank.rank, rank.world_size, device,
                 sum(isinstance(m, FSDPModule) for m in root.modules()))
-    trainer = FSDPTrainer(root, cfg.trainer, max_staleness=train_staleness(cfg), seed=cfg.seed)
+    trainer = FSDPTrainer(root, cfg.trainer, store=rank.store, max_staleness=train_staleness(cfg), seed=cfg.seed)
     if rank.rank == 0:  # the rank that writes checkpoints also makes them Hugging Face model directories
         trainer.hf_export = hf_exporter(lm.config, load_tokenizer(cfg.model))
     return trainer

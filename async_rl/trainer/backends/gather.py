@@ -1,4 +1,5 @@
-"""Full tensors from FSDP2 shards, gathered to rank 0 one tensor at a time, on CPU.
+"""Full tensors from FSDP2 shards, gathered to rank 0 one tensor at a time (on CPU for checkpoints,
+on the device for a publish, `gathered_weights`).
 
 FSDP2 shards a parameter on dim 0 the way `torch.chunk` splits it: rank r holds rows
 [r*c, min((r+1)*c, n)) with c = ceil(n / world_size), possibly none. Each rank pads its
@@ -10,21 +11,25 @@ time, the other ranks never hold one, and the full model exists once, on rank 0'
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from async_rl.utils.weights import WeightSource
 
-def gather_full(t: torch.Tensor) -> torch.Tensor | None:
-    """Collective: the whole of `t` as a detached CPU tensor on rank 0, None elsewhere.
+
+def gather_full(t: torch.Tensor, cpu: bool = True) -> torch.Tensor | None:
+    """Collective: the whole of `t` as a detached tensor on rank 0 (a CPU copy, or with `cpu=False` on
+    the device), None elsewhere.
 
     A plain tensor (a buffer FSDP leaves replicated) is copied on rank 0 without communication.
     """
     rank = dist.get_rank()
     if not isinstance(t, DTensor):
-        return t.detach().to("cpu", copy=True) if rank == 0 else None
+        return (t.detach().to("cpu", copy=True) if cpu else t.detach()) if rank == 0 else None
     if tuple(t.placements) != (Shard(0),):
         raise ValueError(f"gather_full: expected a tensor sharded on dim 0, got placements {t.placements}")
     world = dist.get_world_size()
@@ -38,9 +43,9 @@ def gather_full(t: torch.Tensor) -> torch.Tensor | None:
         return None
     parts = [torch.empty_like(piece) for _ in range(world)]
     dist.gather(piece, parts, dst=0)
-    full = torch.cat(parts)[:n].to("cpu", copy=True)
+    full = torch.cat(parts)[:n]
     del parts
-    return full
+    return full.to("cpu", copy=True) if cpu else full
 
 
 def gather_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,6 +61,36 @@ def gather_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         if done[id(t)] is not None:
             out[name] = done[id(t)]
     return out
+
+
+def gathered_weights(module: torch.nn.Module, store: Any, tag: str, wait_s: float = 3600.0) -> WeightSource:
+    """Collective: `module.state_dict()` as a lazy `WeightSource`. Rank 0 gathers each distinct tensor
+    onto its device when the publisher first reads it (so a publish holds one full tensor, never the
+    model); every other rank gathers every tensor in the same order when drained (`.close()`).
+
+    Before each gather rank 0 sets `{tag}/{i}` in the ranks' store and the others wait for it there, not
+    in the collective: a publish may spend up to weight_sync.deadline_s on one bucket, longer than a
+    collective's timeout, and the other ranks must not time out meanwhile."""
+    tensors: dict[int, tuple[str, torch.Tensor]] = {}
+    aliases: dict[str, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in tensors:
+            aliases[name] = tensors[id(t)][0]
+        else:
+            tensors[id(t)] = (name, t)
+    ordered = list(tensors.values())
+    rank = dist.get_rank()
+
+    def fetch(i: int) -> torch.Tensor | None:
+        key = f"{tag}/{i}"
+        if rank == 0:
+            store.set(key, b"1")
+        else:
+            store.wait([key], timedelta(seconds=wait_s))
+        return gather_full(ordered[i][1], cpu=False)
+
+    return WeightSource([n for n, _ in ordered], [t.dtype for _, t in ordered], [tuple(t.shape) for _, t in ordered],
+                        fetch, aliases, lazy=True)
 
 
 def gather_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
