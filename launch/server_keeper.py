@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,8 +49,9 @@ Relaunch = Callable[[int, int], tuple[Any, str]]  # (index, port) -> (process, u
 
 
 def write_server_listing(run_dir: str | Path, procs: list[Any], urls: list[str]) -> None:
-    """servers.json: which process serves which URL (never half-written)."""
-    listing = [{"index": i, "pid": proc.pid, "url": url} for i, (proc, url) in enumerate(zip(procs, urls))]
+    """servers.json: which process serves which URL, for which rollout process (never half-written)."""
+    listing = [{"index": i, "pid": proc.pid, "url": url, "rollout_pid": os.getpid()}
+               for i, (proc, url) in enumerate(zip(procs, urls))]
     tmp = Path(run_dir) / "servers.json.tmp"
     tmp.write_text(json.dumps(listing, indent=1))
     tmp.replace(tmp.with_suffix(""))

@@ -83,8 +83,9 @@ def _alive(pid: int) -> bool:
 def _pid(run_dir: Path, component: str) -> int | None:
     """The current pid of a component, read where the run writes it; None while it is not there."""
     try:
-        if component.startswith("server"):
-            return json.loads((run_dir / "servers.json").read_text())[int(component[6:])]["pid"]
+        if component.startswith("server"):  # listed by the current rollout process (a killed one's may linger)
+            entry = json.loads((run_dir / "servers.json").read_text())[int(component[6:])]
+            return entry["pid"] if entry["rollout_pid"] == _pid(run_dir, "rollout") else None
         return int((run_dir / "logs" / f"{component}.pid").read_text())
     except (FileNotFoundError, ValueError, IndexError, KeyError):
         return None
