@@ -26,7 +26,8 @@ from pydantic import StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
-from async_rl.engine.server import ApiError, _Strict, finish_all_or_disconnect, meta_info, parse_sampling, sse
+from async_rl.engine.http_common import ApiError, Strict, finish_all_or_disconnect, parse_sampling, sse
+from async_rl.engine.sglang_api import meta_info
 from async_rl.types import GenerationOutput, SamplingParams, new_id
 
 # SGLang request fields asking for what the embedded engine cannot do: set -> 400 naming the field.
@@ -38,7 +39,7 @@ UNSUPPORTED_REQUEST = {
 }
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(Strict):
     input_ids: list[StrictInt] | None = None
     text: str | None = None  # tokenised by the server's tokenizer when input_ids is not given
     sampling_params: dict[str, Any] | None = None

@@ -33,167 +33,38 @@ answers 401 without `Authorization: Bearer <token>` (`http_auth`: one dependency
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 from collections import Counter
-from collections.abc import Callable
 from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictInt
+from fastapi import Depends, FastAPI
+from fastapi.responses import Response
+from pydantic import StrictInt
 
 from async_rl.config import REDACTED, resolve_secret
-from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError, RequestHandle
-from async_rl.engine.llm_engine import EngineInputError
-from async_rl.engine.sglang_api import finish_reason_json, logprob_entries, parse_version, version_spans
-from async_rl.types import GenerationOutput, SamplingParams
+from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
+from async_rl.engine.generate_route import add_generate_route
+from async_rl.engine.http_auth import BearerGuard
+from async_rl.engine.http_common import ApiError, StatusCounter, Strict, error_response, install_error_handlers
+from async_rl.engine.openai_api import add_openai_routes
+from async_rl.engine.sglang_api import parse_version
+from async_rl.engine.weight_routes import weight_router
 from async_rl.weight_sync.staging import WeightVersionError
 
 logger = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- errors
-class ApiError(Exception):
-    """An answer other than 200: status code and a message that names the field."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers
-
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI's error shape, used by every route (the `openai` client reads `error.message`)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}},
-                        headers=headers)
-
-
-def _location(loc: tuple) -> str:
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "body"
-
-
-def validation_message(exc: RequestValidationError) -> str:
-    errors = exc.errors()
-    if not errors:
-        return "body: invalid request"
-    first = errors[0]
-    kind, where = first.get("type", ""), _location(tuple(first.get("loc", ())))
-    if kind == "json_invalid":
-        return f"body: malformed JSON ({first.get('ctx', {}).get('error', first.get('msg'))})"
-    if kind == "extra_forbidden":
-        return f"{where}: unknown field"
-    if kind == "missing":
-        return f"{where}: required" if where != "body" else "body: a JSON object is required"
-    got = repr(first.get("input"))[:60]
-    return f"{where}: {first.get('msg', 'invalid')} (got {got})"
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, validation_message(exc))
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.headers)
-
-    @app.exception_handler(EngineInputError)
-    async def _engine_input(request: Request, exc: EngineInputError) -> JSONResponse:
-        return error_response(400, str(exc))
-
-    @app.exception_handler(EngineStoppedError)
-    async def _stopped(request: Request, exc: EngineStoppedError) -> JSONResponse:
-        return error_response(503, str(exc))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-class StatusCounter:
-    """ASGI middleware counting answers of status 400 and up, the router's 404/405 and 500s included:
-    `engine/http_<status>_total` in /metrics shows how much bad input a server turned away."""
-
-    def __init__(self, app: Any, counts: Counter[int]):
-        self.app, self.counts = app, counts
-
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counted(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.counts[message["status"]] += 1
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counted)
-        except Exception:  # answered with 500 by the outermost error handler
-            self.counts[500] += 1
-            raise
-
-
-# --------------------------------------------------------------------------- shared helpers
-async def _disconnected(request: Request) -> None:
-    """Return when the client goes away (the body is already read, so only a disconnect arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def finish_all_or_disconnect(handles: list[RequestHandle],
-                                   request: Request) -> list[GenerationOutput] | None:
-    """The finished outputs, or None (requests aborted) if the client disconnects first."""
-    done_task = asyncio.ensure_future(asyncio.gather(*(h.wait() for h in handles)))
-    # requests cancelled at shutdown or on disconnect end the gather with CancelledError: retrieve it,
-    # so asyncio does not print "exception was never retrieved" tracebacks when a run ends
-    done_task.add_done_callback(lambda f: f.cancelled() or f.exception())
-    gone_task = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-        return done_task.result() if done_task.done() else None
-    finally:
-        done_task.cancel()
-        gone_task.cancel()
-        for h in handles:
-            await h.aclose()
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-def parse_sampling(d: dict[str, Any] | None) -> SamplingParams:
-    try:
-        return SamplingParams.from_wire(d)
-    except (ValueError, TypeError) as exc:
-        msg = str(exc)
-        raise ApiError(400, msg if msg.startswith("sampling_params") else f"sampling_params: {msg}") from None
-
-
 # --------------------------------------------------------------------------- native API
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PauseRequest(_Strict):
+class PauseRequest(Strict):
     # SGLang's default is "abort"; ours keeps requests in flight (the RL-safe one). Clients name the mode.
     mode: Literal["abort", "retract", "in_place"] = "retract"
 
 
-class ContinueRequest(_Strict):
+class ContinueRequest(Strict):
     torch_empty_cache: bool = True  # SGLang's; nothing to empty here
 
 
-class UpdateWeightsRequest(_Strict):
+class UpdateWeightsRequest(Strict):
     model_path: str
     weight_version: StrictInt | str | None = None  # default: current version + 1; SGLang sends a str
     load_format: Literal["safetensors", "auto"] | None = None
@@ -207,29 +78,9 @@ class UpdateWeightsRequest(_Strict):
     manifest: None = None
 
 
-class AbortRequest(_Strict):
+class AbortRequest(Strict):
     rid: str = ""
     abort_all: bool = False
-
-
-def meta_info(out: GenerationOutput, return_logprob: bool, weight_version: int, finished: bool = True, *,
-              retractions: int = 0, token_text: Callable[[int], str] | None = None,
-              matched: int | str | None = None) -> dict[str, Any]:
-    """SGLang's `meta_info` of one answer (see `sglang_api`), plus our per-token versions."""
-    meta: dict[str, Any] = {
-        "id": out.request_id, "finish_reason": finish_reason_json(out, matched) if finished else None,
-        "prompt_tokens": out.prompt_len, "completion_tokens": len(out.output_ids),
-        "cached_tokens": out.prefix_cached_tokens, "weight_version": weight_version,
-        "weight_versions": version_spans(out.output_versions), "output_token_versions": out.output_versions,
-        "num_interruptions": out.num_interruptions, "num_retractions": retractions,
-    }
-    if return_logprob:
-        meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = logprob_entries(out.output_logprobs, out.output_ids, token_text)
-        if out.output_top_logprobs is not None:
-            meta["output_top_logprobs"] = [[[lp, t, None if token_text is None else token_text(t)] for t, lp in pos]
-                                           for pos in out.output_top_logprobs]
-    return meta
 
 
 class _Control:
@@ -292,11 +143,6 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     """The FastAPI app: native routes plus the OpenAI-compatible ones (these need `tokenizer`).
     `api_key` (default: the engine's `engine.api_key`; "env:NAME" is read from the environment)
     guards every route but the health and model-info probes; "" = open."""
-    from async_rl.engine.generate_route import add_generate_route  # it imports this module's helpers
-    from async_rl.engine.http_auth import BearerGuard  # likewise
-    from async_rl.engine.openai_api import add_openai_routes  # it imports this module's helpers
-    from async_rl.engine.weight_routes import weight_router  # likewise
-
     token = resolve_secret(getattr(engine.engine.config, "api_key", "") if api_key is None else api_key,
                            "engine.api_key")
     guard = BearerGuard(token) if token else None

@@ -63,6 +63,26 @@ def version_spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
+def meta_info(out: GenerationOutput, return_logprob: bool, weight_version: int, finished: bool = True, *,
+              retractions: int = 0, token_text: Callable[[int], str] | None = None,
+              matched: int | str | None = None) -> dict[str, Any]:
+    """SGLang's `meta_info` of one answer (see `sglang_api`), plus our per-token versions."""
+    meta: dict[str, Any] = {
+        "id": out.request_id, "finish_reason": finish_reason_json(out, matched) if finished else None,
+        "prompt_tokens": out.prompt_len, "completion_tokens": len(out.output_ids),
+        "cached_tokens": out.prefix_cached_tokens, "weight_version": weight_version,
+        "weight_versions": version_spans(out.output_versions), "output_token_versions": out.output_versions,
+        "num_interruptions": out.num_interruptions, "num_retractions": retractions,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = logprob_entries(out.output_logprobs, out.output_ids, token_text)
+        if out.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [[[lp, t, None if token_text is None else token_text(t)] for t, lp in pos]
+                                           for pos in out.output_top_logprobs]
+    return meta
+
+
 # --------------------------------------------------------------------------- answer (client side)
 def parse_version(label: Any) -> int | None:
     """A version label as an int, or None when it is not one (SGLang's "default", null)."""

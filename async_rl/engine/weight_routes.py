@@ -28,7 +28,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine
-from async_rl.engine.server import ApiError
+from async_rl.engine.http_common import ApiError
 from async_rl.types import WireFormatError
 from async_rl.weight_sync.dist import DistWeightGroups
 from async_rl.weight_sync.layout import WeightLayout
