@@ -390,12 +390,11 @@ class AsyncEngine:
         mixes two versions. Each tensor is copied once from a memory map: no second copy of the model is
         held. Names and shapes are checked before any weight changes (the old weights stay on error), and a
         version not newer than the current one is refused. `/update_weights_from_disk` loads this way."""
-        from async_rl.weight_sync.staging import WeightVersionError, map_weights
+        from async_rl.weight_sync.staging import map_weights
+        from async_rl.weight_sync.versions import check_newer
 
         def check() -> None:
-            if version <= self.weight_version:
-                raise WeightVersionError(f"weight_version: {version} is not newer than the version in use "
-                                         f"({self.weight_version}); a version going backwards is refused")
+            check_newer(version, self.weight_version, field="weight_version", current_is="the version in use")
 
         check()
         t0 = time.perf_counter()

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict
 from async_rl.engine.async_engine import EngineStoppedError, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
 from async_rl.types import GenerationOutput, SamplingParams
+from async_rl.weight_sync.staging import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineInputError)
     async def _engine_input(request: Request, exc: EngineInputError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(WeightSyncError)  # a version going backwards, a bad bucket: the old weights stay
+    async def _weights_refused(request: Request, exc: WeightSyncError) -> JSONResponse:
         return error_response(400, str(exc))
 
     @app.exception_handler(EngineStoppedError)

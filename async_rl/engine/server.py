@@ -50,6 +50,7 @@ from async_rl.engine.openai_api import add_openai_routes
 from async_rl.engine.sglang_api import parse_version
 from async_rl.engine.weight_routes import weight_router
 from async_rl.weight_sync.staging import WeightVersionError
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +106,8 @@ class _Control:
             if version is None:
                 raise ApiError(400, f"weight_version: must be an integer (this engine numbers policy versions), "
                                     f"got {req.weight_version!r}")
-        if version <= self.engine.weight_version:  # checked again at the swap; here so nothing is aborted
-            raise ApiError(400, f"weight_version: {version} is not newer than the version in use "
-                                f"({self.engine.weight_version}); a version going backwards is refused")
+        # checked again at the swap; here so nothing is aborted
+        check_newer(version, self.engine.weight_version, field="weight_version", current_is="the version in use")
         aborted = await self.engine.abort_all() if req.abort_all_requests else 0
         try:  # memory-mapped: each tensor is copied once into the model; names and shapes checked first
             stats = await self.engine.update_weights_from_staged(req.model_path, version)

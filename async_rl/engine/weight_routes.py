@@ -22,7 +22,7 @@ import asyncio
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
@@ -33,6 +33,7 @@ from async_rl.types import WireFormatError
 from async_rl.weight_sync.dist import DistWeightGroups
 from async_rl.weight_sync.layout import WeightLayout
 from async_rl.weight_sync.staging import WeightSyncError
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +100,7 @@ def weight_router(engine: AsyncEngine, stage_dir: str | Path | None = None) -> A
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateDistributedRequest):
         version = _version(req, engine.weight_version)
-        if version <= engine.weight_version:
-            raise ApiError(400, f"weight_version: {version} is not newer than the version in use "
-                                f"({engine.weight_version}); a version going backwards is refused")
+        check_newer(version, engine.weight_version, field="weight_version", current_is="the version in use")
         try:
             layout = WeightLayout.from_specs(req.names, req.dtypes, req.shapes, version=version,
                                              bucket_bytes=req.bucket_bytes)

@@ -40,8 +40,8 @@ from async_rl.protocols import GenerationClient
 from async_rl.types import WireFormatError
 from async_rl.weight_sync.disk import check_keep_last, prune, stale_files, superseded, weights_filename
 from async_rl.weight_sync.layout import WeightLayout, crc32
-from async_rl.weight_sync.staging import (BucketError, StagedFile, WeightSyncError, WeightsSuperseded,
-                                           WeightVersionError)
+from async_rl.weight_sync.staging import BucketError, StagedFile, WeightSyncError, WeightsSuperseded
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,8 @@ class ZmqWeightPublisher:
     def publish(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
         """Stream `state_dict` as `version`; return the commit message (the caller broadcasts it)."""
         # the same version again is a replay for a rollout side that joined; receivers that hold it skip it
-        if isinstance(version, int) and version < self.last_version:
-            raise WeightVersionError(f"version: {version} is older than the last published "
-                                     f"({self.last_version})")
+        if isinstance(version, int):
+            check_newer(version, self.last_version, field="version", current_is="the last published", replay_ok=True)
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         deadline = time.monotonic() + self.deadline_s
         layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=self.bucket_bytes,
@@ -169,9 +168,8 @@ class ZmqWeightReceiver:
         if layout.version == self.accepted and layout.version in self._done:
             self._replayed.add(layout.version)  # sent again for a side that joined: we hold it already
             return
-        if layout.version <= self.accepted:
-            raise WeightVersionError(f"weights manifest.version: v{layout.version} is not newer than "
-                                     f"v{self.accepted}, already accepted (a version going backwards)")
+        check_newer(layout.version, self.accepted, field="weights manifest.version",
+                    current_is="the version already accepted")
         for v, stage in list(self._stages.items()):  # an older version that never completed
             logger.warning("weights v%d abandoned: %d of %d buckets arrived before v%d started", v,
                            len(stage.received), len(stage.layout.buckets), layout.version)

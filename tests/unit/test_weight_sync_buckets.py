@@ -125,7 +125,7 @@ def test_version_going_backwards_is_rejected(trained, tmp_path):
     receiver, commit, _ = _stream(trained.state_dict(), 7, 1 << 20, tmp_path)
     asyncio.run(receiver.prepare(commit))
     receiver, old, _ = _stream(trained.state_dict(), 6, 1 << 20, tmp_path, receiver=receiver)
-    with pytest.raises(WeightSyncError, match="v6 is not newer than v7"):
+    with pytest.raises(WeightSyncError, match=r"manifest.version: 6 is not newer than the version already accepted \(7\)"):
         asyncio.run(receiver.prepare(old))
     publisher = ZmqWeightPublisher(lambda c, w, **kw: None, 1 << 20, deadline_s=5)
     publisher.publish({"w": torch.ones(2)}, 3)
