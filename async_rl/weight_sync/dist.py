@@ -41,7 +41,8 @@ import torch.distributed as dist
 
 from async_rl.protocols import GenerationClient
 from async_rl.weight_sync.layout import DTYPES, WeightLayout, byte_view
-from async_rl.weight_sync.staging import StagedFile, WeightSyncError, WeightVersionError
+from async_rl.weight_sync.staging import StagedFile, WeightSyncError
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,8 @@ class DistWeightPublisher:
 
     def publish(self, state_dict: dict[str, Any], version: int) -> None:
         """Announce `version` over the queue, then broadcast it; returns None (the message already went)."""
-        if isinstance(version, int) and version <= self.last_version:
-            raise WeightVersionError(f"version: {version} is not newer than the last published ({self.last_version})")
+        if isinstance(version, int):
+            check_newer(version, self.last_version, field="version", current_is="the last published")
         t0 = time.perf_counter()
         layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=self.bucket_bytes)
         if self._store is None:
@@ -153,9 +154,7 @@ class DistWeightReceiver:
 
     async def prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
         version = int(msg["version"])
-        if version <= self.accepted:
-            raise WeightVersionError(f"weights.version: v{version} is not newer than v{self.accepted}, already "
-                                     "accepted (a version going backwards)")
+        check_newer(version, self.accepted, field="weights.version", current_is="the version already accepted")
         group = msg.get("group")
         if not isinstance(group, dict) or not {"master_address", "master_port", "world_size", "group_name"} <= set(group):
             raise WeightSyncError("weights.group: missing or incomplete (the trainer and this side disagree on "
