@@ -14,13 +14,13 @@ from typing import Any
 
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, WeightReceiver
-from async_rl.weight_sync.disk import superseded
 from async_rl.weight_sync.dist import DistWeightReceiver
+from async_rl.weight_sync.versions import superseded
 from async_rl.weight_sync.zmq_buckets import ZmqWeightReceiver
 
 
 class DiskWeightReceiver:
-    """`disk`: the message names a file on a shared file system; each server loads it."""
+    """`disk`: the message names a version directory on a shared file system; each server loads it."""
 
     async def prepare(self, msg: dict[str, Any]) -> str:
         return str(msg["path"])

@@ -25,7 +25,8 @@ from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import NoServerError, ServerPool
 from async_rl.rollout.weight_update import WeightUpdateError, update_servers
 from async_rl.types import SamplingParams
-from async_rl.weight_sync.disk import DiskWeightPublisher, weights_filename
+from async_rl.weight_sync.disk import DiskWeightPublisher
+from async_rl.weight_sync.versions import version_dir
 from async_rl.weight_sync.receivers import DiskWeightReceiver
 from async_rl.weight_sync.staging import WeightsSuperseded
 from launch.common import free_port
@@ -232,7 +233,7 @@ def test_a_version_pruned_before_the_server_loads_it_is_skipped_not_fenced(serve
             loaded = await update_servers(pool, receiver, msgs[2], 10.0)
             assert loaded["sync/servers_loaded"] == 1 and loaded["sync/servers_superseded"] == 0
             assert pool.stats()["pool/server0/version"] == 22
-            nowhere = {"version": 23, "path": str(tmp_path / "nowhere" / weights_filename(23))}
+            nowhere = {"version": 23, "path": str(version_dir(tmp_path / "nowhere", 23))}
             with pytest.raises(WeightUpdateError, match="v23: no generation server loaded it"):
                 await update_servers(pool, receiver, nowhere, 10.0)
             assert pool.stats()["pool/fenced_total"] == 1
