@@ -10,7 +10,9 @@ A version is written into a hidden `.vNNNNNN.partial` directory and renamed, so 
 never sees half a version: the publisher lays a version out as the streaming transports do
 (`layout.py`) and writes the model's tensors straight into a `versions.StagedVersion`,
 taking over the file of the version it is about to prune when nobody is reading it (no
-serialised copy, no fresh page cache). Tensors that are one tensor in the model (a tied
+serialised copy, no fresh page cache). Only the embedded engine holds the read lock that makes
+this safe; SGLang maps the files without it, so with SGLang servers (`take_over=False`) every
+version gets a fresh file. Tensors that are one tensor in the model (a tied
 embedding and LM head) are stored once; the other names are recorded in the file's metadata
 (`aliases`) and `load_weights` restores them, so `model.load_state_dict(load_weights(path))`
 works strictly. A reader that ignores the metadata (the engine, SGLang) gets one name per
@@ -39,10 +41,11 @@ logger = logging.getLogger(__name__)
 class DiskWeightPublisher:
     """Writes one directory per version atomically into `dir` and keeps the newest `keep_last` versions."""
 
-    def __init__(self, dir: str | Path, keep_last: int = 2):
+    def __init__(self, dir: str | Path, keep_last: int = 2, take_over: bool = True):
         self.dir = Path(dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep_last = check_keep_last(keep_last)
+        self.take_over = take_over  # False where a reader may not lock what it loads (SGLang)
 
     def path_for(self, version: int) -> Path:
         return version_dir(self.dir, version)
@@ -53,7 +56,7 @@ class DiskWeightPublisher:
             raise ValueError(f"version: must be an integer >= 0, got {version!r}")
         layout, tensors = WeightLayout.from_state_dict(state_dict, version=version, bucket_bytes=WRITE_BYTES)
         stale = stale_dirs(self.dir, version, self.keep_last)
-        stage = StagedVersion(self.dir, layout, reuse=stale[0] if stale else None)
+        stage = StagedVersion(self.dir, layout, reuse=stale[0] if stale and self.take_over else None)
         try:
             for index, (start, end) in enumerate(layout.buckets):
                 stage.write(index, layout.read(tensors, start, end))

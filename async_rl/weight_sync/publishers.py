@@ -20,7 +20,7 @@ from async_rl.protocols import WeightPublisher
 from async_rl.utils.hardware import resolve_device
 from async_rl.weight_sync.disk import DiskWeightPublisher
 from async_rl.weight_sync.dist import DistWeightPublisher
-from async_rl.weight_sync.receivers import keep_last
+from async_rl.weight_sync.receivers import keep_last, readers_lock
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher
 
 Broadcast = Callable[..., Any]
@@ -38,7 +38,7 @@ def trainer_host(cfg: Config) -> str:
 
 
 def _disk(cfg: Config, broadcast: Broadcast) -> DiskWeightPublisher:
-    return DiskWeightPublisher(Path(cfg.run_dir) / "weights", keep_last=keep_last(cfg))
+    return DiskWeightPublisher(Path(cfg.run_dir) / "weights", keep_last=keep_last(cfg), take_over=readers_lock(cfg))
 
 
 def _zmq(cfg: Config, broadcast: Broadcast) -> ZmqWeightPublisher:

@@ -41,12 +41,19 @@ def keep_last(cfg: Config) -> int:
     return max(cfg.weight_sync.keep_last, eta + 2)
 
 
+def readers_lock(cfg: Config) -> bool:
+    """Whether every server that loads weights is an embedded engine this run starts: it holds a read lock
+    while it maps a version, so the file of a version being pruned may be written over when unlocked.
+    SGLang (`engine.backend=sglang`, or any server in `rollout.server_addrs`) maps files without one."""
+    return cfg.engine.backend == "embedded" and not cfg.rollout.server_addrs
+
+
 def _disk(cfg: Config, queue: Any) -> DiskWeightReceiver:
     return DiskWeightReceiver()
 
 
 def _zmq(cfg: Config, queue: Any) -> ZmqWeightReceiver:
-    receiver = ZmqWeightReceiver(Path(cfg.run_dir) / "weights", keep_last(cfg))
+    receiver = ZmqWeightReceiver(Path(cfg.run_dir) / "weights", keep_last(cfg), take_over=readers_lock(cfg))
     if queue is not None:
         receiver.attach(queue)
     return receiver

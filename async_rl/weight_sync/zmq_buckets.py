@@ -126,9 +126,10 @@ class ZmqWeightReceiver:
     `handle` runs in the queue client's bulk thread and `prepare` on the event loop: a lock keeps
     their view of the versions consistent."""
 
-    def __init__(self, directory: str | Path, keep_last: int):
+    def __init__(self, directory: str | Path, keep_last: int, take_over: bool = True):
         self.directory = Path(directory).resolve()
         self.keep_last = check_keep_last(keep_last)
+        self.take_over = take_over  # False where a server may not lock what it loads (SGLang): see disk.py
         self.accepted = -1  # newest version whose manifest was accepted
         self.stats: dict[str, float] = {}  # the last completed version's sync/recv_* timings
         self._stages: dict[int, StagedVersion] = {}
@@ -181,7 +182,7 @@ class ZmqWeightReceiver:
         self.accepted = layout.version
         self.directory.mkdir(parents=True, exist_ok=True)
         stale = stale_dirs(self.directory, layout.version, self.keep_last)  # pruned once this one completes
-        stage = StagedVersion(self.directory, layout, reuse=stale[0] if stale else None)
+        stage = StagedVersion(self.directory, layout, reuse=stale[0] if stale and self.take_over else None)
         self._stages[layout.version] = stage
         if stage.complete:  # no tensors at all
             self._complete(layout.version)

@@ -129,3 +129,21 @@ def test_a_version_published_again_replaces_its_directory(tmp_path):
     again = publisher.publish({"w": torch.full((3,), 2.0)}, 3)["path"]
     assert again == first and torch.equal(load_weights(again)["w"], torch.full((3,), 2.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000003"]  # no partial or replaced leftovers
+
+
+@pytest.mark.parametrize("servers,taken_over", [(["engine.backend=embedded"], True),
+                                                (["engine.backend=sglang"], False),
+                                                (["rollout.server_addrs=[http://gpu:30000]"], False)])
+def test_a_pruned_file_is_written_over_only_where_every_server_locks_what_it_loads(tmp_path, servers, taken_over):
+    """SGLang maps weight files without the embedded engine's read lock (safetensors safe_open in
+    sglang/srt/model_loader/weight_utils.py): a file it may still be loading must never change under it."""
+    from async_rl.config import load_config
+    from async_rl.weight_sync.publishers import build_publisher
+
+    cfg = load_config(None, [f"run_dir={tmp_path}", "weight_sync.transport=disk", "weight_sync.keep_last=2",
+                             "mode=sync", *servers])
+    publisher = build_publisher(cfg, lambda *a, **k: None)
+    paths = {v: publisher.publish({"w": torch.full((100,), float(v))}, v)["path"] for v in (1, 2)}
+    first = os.stat(_file(paths[1])).st_ino
+    p3 = publisher.publish({"w": torch.full((100,), 3.0)}, 3)["path"]
+    assert (os.stat(_file(p3)).st_ino == first) == taken_over
