@@ -4,8 +4,9 @@
                                     "rid", "stream", ...}; sampling_params.n > 1 answers a list (rids "<rid>_<i>")
     POST /pause_generation         {"mode": "abort" | "retract" (our default) | "in_place"}
     POST /continue_generation
-    POST /update_weights_from_disk {"model_path", "weight_version"}: swap in from a memory map at a step
-                                   boundary, recompute KV, continue (a version not newer is refused)
+    POST /update_weights_from_disk {"model_path" (a directory, as SGLang takes it), "weight_version"}: swap in
+                                   from a memory map at a step boundary, recompute KV, continue (a version
+                                   not newer is refused); /model_info reports that path afterwards, as SGLang
     GET|POST /flush_cache          drop the prefix cache (400 while requests are running)
     POST /abort_request            {"rid"} or {"abort_all": true}
     GET  /health, /health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI
@@ -84,11 +86,27 @@ class AbortRequest(Strict):
     abort_all: bool = False
 
 
-class _Control:
-    """Pause modes, weight updates and cache control; `retracted` counts retractions per request id."""
+def weights_directory(model_path: str) -> str:
+    """`model_path` if it is a directory; ApiError otherwise. SGLang loads a local checkpoint only from a
+    directory (every *.safetensors in it; sglang/srt/model_loader/loader.py, `os.path.isdir`) and sends any
+    other path to the Hugging Face hub, so a file path never loads there and is refused here too."""
+    p = Path(model_path)
+    if p.is_dir():
+        return model_path
+    if p.exists():
+        raise ApiError(400, f"model_path: {model_path!r} is a file; give the directory that holds it (SGLang loads "
+                            "every *.safetensors of a checkpoint directory and looks any other path up on the hub)")
+    raise ApiError(400, f"model_path: {model_path!r} does not exist (pruned by weight_sync.keep_last, or never "
+                        "written?)")
 
-    def __init__(self, engine: AsyncEngine):
+
+class _Control:
+    """Pause modes, weight updates and cache control; `retracted` counts retractions per request id;
+    `model_path` is what the server serves: after an update from disk, that path (as SGLang reports it)."""
+
+    def __init__(self, engine: AsyncEngine, model_path: str):
         self.engine = engine
+        self.model_path = model_path
         self.retracted: Counter[str] = Counter()
 
     async def pause(self, mode: str) -> dict[str, Any]:
@@ -108,6 +126,7 @@ class _Control:
                                     f"got {req.weight_version!r}")
         # checked again at the swap; here so nothing is aborted
         check_newer(version, self.engine.weight_version, field="weight_version", current_is="the version in use")
+        weights_directory(req.model_path)
         aborted = await self.engine.abort_all() if req.abort_all_requests else 0
         try:  # memory-mapped: each tensor is copied once into the model; names and shapes checked first
             stats = await self.engine.update_weights_from_staged(req.model_path, version)
@@ -120,6 +139,7 @@ class _Control:
         except Exception as exc:  # safetensors, shape and name errors all mean: this file does not fit
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ApiError(400, f"model_path: cannot load {req.model_path!r}: {first}") from None
+        self.model_path = req.model_path  # SGLang's /model_info reports the weights' path from now on
         return {"success": True, "message": f"loaded weight version {version} from {req.model_path}",
                 "weight_version": version, "num_paused_requests": int(stats.get("engine/interrupted", 0)),
                 "num_aborted_requests": aborted, **stats}
@@ -131,9 +151,11 @@ class _Control:
                         status_code=400)
 
 
-def model_info(engine: AsyncEngine, model_name: str) -> dict[str, Any]:
-    return {"model_path": model_name, "model_name": model_name, "served_model_name": model_name,
-            "tokenizer_path": model_name, "is_generation": True, "vocab_size": engine.vocab_size,
+def model_info(engine: AsyncEngine, model_path: str, tokenizer_path: str) -> dict[str, Any]:
+    """SGLang's /model_info keys (`model_path` and `served_model_name` follow an update from disk), plus
+    the engine's limits."""
+    return {"model_path": model_path, "served_model_name": model_path,
+            "tokenizer_path": tokenizer_path, "is_generation": True, "vocab_size": engine.vocab_size,
             "max_context": engine.max_context, "context_length": engine.max_context,
             "max_new_tokens_limit": engine.max_new_tokens_limit,
             "eos_token_ids": sorted(engine.engine.eos_token_ids), "weight_version": engine.weight_version}
@@ -151,7 +173,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     install_error_handlers(app)
     refused: Counter[int] = Counter()  # answers by status >= 400
     app.add_middleware(StatusCounter, counts=refused)
-    control = _Control(engine)
+    control = _Control(engine, model_name)
     add_generate_route(app, engine, tokenizer, control.retracted)
 
     @app.post("/pause_generation")
@@ -189,7 +211,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def get_model_info():
-        return model_info(engine, model_name)
+        return model_info(engine, control.model_path, model_name)
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -198,7 +220,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
         shown = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
         if shown.get("api_key"):
             shown["api_key"] = REDACTED
-        return {**model_info(engine, model_name), "engine_config": shown, "stats": engine.stats()}
+        return {**model_info(engine, control.model_path, model_name), "engine_config": shown, "stats": engine.stats()}
 
     @app.get("/metrics")
     async def metrics():

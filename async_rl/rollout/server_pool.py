@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rl.protocols import GenerationClient
+from async_rl.weight_sync.versions import version_of
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +308,7 @@ class ServerPool:
         seen: dict[str, Any] = {}
         for s in self.servers:
             info = await s.client.get_model_info()
-            name = str(info.get("model_name") or info.get("model_path") or "")
+            name = _served_model(info)
             where = f"{key}[{s.index}] ({s.address})"
             if name and not _same_model(name, model_name):
                 raise ValueError(f"{where}: serves model {name!r}, but model.name is {model_name!r}; "
@@ -334,6 +335,14 @@ class ServerPool:
                         f"{p}/healthy": int(s.healthy),
                         f"{p}/fenced": int(s.fenced), f"{p}/version": s.version, f"{p}/failures": s.failures})
         return out
+
+
+def _served_model(info: dict[str, Any]) -> str:
+    """The model a server says it runs (/model_info). After an update from disk SGLang reports the weights'
+    directory as `model_path` (tokenizer_manager._update_model_path_info); for a weight version's directory
+    the model is the one its tokenizer came from (`tokenizer_path`, set at launch)."""
+    path = str(info.get("model_path") or info.get("served_model_name") or "")
+    return str(info.get("tokenizer_path") or "") if version_of(path) is not None else path
 
 
 def _same_model(served: str, configured: str) -> bool:

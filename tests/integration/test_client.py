@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine.client import HttpGenerationClient, ServerUnreachableError
@@ -21,6 +20,7 @@ from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.protocols import GenerationClient
 from async_rl.types import SamplingParams
 from launch.serve import BackgroundServer
+from served_weights import save_weights_dir
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,7 @@ def test_server_4xx_becomes_value_error_with_the_servers_message(srv):
 
 
 def test_pause_update_continue_and_abort_through_the_client(srv, tmp_path):
-    weights = tmp_path / "w.safetensors"
-    save_file({k: v.detach().clone().contiguous() for k, v in srv.model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(srv.model, tmp_path / "w")
     params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     new_version = srv.engine.weight_version + 1
 

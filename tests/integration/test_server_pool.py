@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from async_rl.config import load_config
 from async_rl.engine.client import HttpGenerationClient
@@ -33,6 +33,7 @@ from launch.common import free_port
 from launch.procs import start_server, stop_all
 from launch.serve import BackgroundServer
 from tests.e2e.test_run import DEBUG
+from served_weights import save_weights_dir
 
 PROMPTS = ["1+2=", "0+0=", "2+2=", "1+1=", "2+0=", "0+1=", "4+3=", "3+1="]
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -43,11 +44,10 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool")
     cfg = load_config(DEBUG, [f"run_dir={tmp}", "model.dtype=float32", "engine.num_threads=1", "log.level=WARNING"])
     tok = load_tokenizer(cfg.model)
-    weights = tmp / "same_weights.safetensors"  # the servers' own weights, to load as "new" versions
     model = load_model(cfg.model, seed=cfg.seed, tokenizer=tok)
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(model, tmp / "same_weights")  # the servers' own weights, to load as "new" versions
     started = [start_server(cfg, i) for i in range(2)]
-    yield SimpleNamespace(cfg=cfg, tok=tok, weights=str(weights), procs=[p for p, _ in started],
+    yield SimpleNamespace(cfg=cfg, tok=tok, weights=weights, procs=[p for p, _ in started],
                           urls=[u for _, u in started])
     for p in started:
         if p[0].is_alive():
@@ -215,7 +215,7 @@ def test_a_version_pruned_before_the_server_loads_it_is_skipped_not_fenced(serve
     the update says it was superseded, and the next one loads. A path that is simply missing is
     still a failure that fences (the random-kill test once lost its rollout side to the former)."""
     publisher = DiskWeightPublisher(tmp_path / "weights", keep_last=1)
-    state = load_file(servers.weights)
+    state = load_file(os.path.join(servers.weights, "model.safetensors"))
     msgs = [publisher.publish(state, v) for v in (20, 21, 22)]  # v20 and v21 pruned behind v22
 
     async def main():

@@ -16,6 +16,7 @@ text trimming, /flush_cache.
 """
 
 import asyncio
+import glob
 import importlib.util
 import json
 import os
@@ -25,14 +26,16 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from async_rl.config import EngineConfig, ModelConfig, load_config
 from async_rl.engine.client import HttpGenerationClient
 from async_rl.engine.sglang_api import generate_body
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
+from async_rl.rollout.server_pool import ServerPool
 from async_rl.types import SamplingParams
+from async_rl.weight_sync.versions import version_dir
 from launch.serve import BackgroundServer
+from served_weights import save_weights_dir
 
 TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "Hello, world!"]
 LONG = 160  # tokens per request in the interruption tests: long enough to be paused mid-way
@@ -44,6 +47,7 @@ class Target:
     weights: str  # what /update_weights_from_disk loads: the weights being served, so sequences continue
     prompts: list[list[int]]
     exact: bool  # continued sequences equal uninterrupted ones token for token
+    name: str = "tiny"  # model.name of a run that uses this server
     version: int = 0
     model: Any = None
     extra: dict = field(default_factory=dict)
@@ -68,11 +72,10 @@ def target(request, tmp_path_factory):
         torch.set_num_threads(1)
         tok = build_tiny_tokenizer(PRINTABLE)
         model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
-        weights = tmp / "policy.safetensors"
-        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
+        weights = save_weights_dir(model, version_dir(tmp / "weights", 1))  # as a run publishes them
         bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
         url = bg.start()
-        yield Target(url, str(weights), [tok.encode(t) for t in TEXTS], exact=True, model=model,
+        yield Target(url, weights, [tok.encode(t) for t in TEXTS], exact=True, model=model,
                      extra={"tok": tok, "engine": bg.engine})
         bg.stop()
         return
@@ -89,7 +92,7 @@ def target(request, tmp_path_factory):
     proc, url = start_sglang(cfg, 0)
     tok = AutoTokenizer.from_pretrained(path)
     try:
-        yield Target(url, path, [tok.encode(t) for t in TEXTS], exact=False)
+        yield Target(url, path, [tok.encode(t) for t in TEXTS], exact=False, name=path)
     finally:
         stop_all([proc])
 
@@ -229,6 +232,27 @@ def test_pause_in_abort_mode_answers_at_once_with_the_partial_output(target):
     assert meta["finish_reason"]["type"] == "abort" and 0 < len(answer["output_ids"]) < LONG
     assert len(meta["output_token_logprobs"]) == len(answer["output_ids"])
     assert held.finish_reason == "length" and len(held.output_ids) == 4
+
+
+def test_update_from_disk_takes_a_directory_which_is_then_the_model_it_reports(target):
+    """SGLang loads a local checkpoint only from a directory (sglang/srt/model_loader/loader.py,
+    `os.path.isdir` in DefaultModelLoader._prepare_weights; a file path goes to the hub and fails), and
+    reports the directory it loaded as `model_path` afterwards (tokenizer_manager._update_model_path_info):
+    the rollout side's model check must still pass on such a server (a restarted rollout side meets one)."""
+    a_file = sorted(glob.glob(os.path.join(target.weights, "*.safetensors")))[0]
+
+    async def body(c):
+        with pytest.raises(ValueError, match="update_weights_from_disk"):
+            await c.update_weights_from_disk(a_file, target.version + 1)
+        await c.update_weights_from_disk(target.weights, target.version + 1)
+        info = await c.get_model_info()
+        pool = ServerPool([c])
+        await pool.check_model(model_name=target.name, min_vocab=1)
+        return info
+
+    info = run(target, body)
+    target.version += 1
+    assert info["model_path"] == target.weights and str(info["weight_version"]) == str(target.version)
 
 
 # --------------------------------------------------------------------------- embedded engine only
