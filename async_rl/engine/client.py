@@ -272,7 +272,7 @@ class HttpGenerationClient:
                                               timeout_s: float = 120.0) -> dict[str, Any]:
         """Receive one version broadcast by the trainer over `group_name` and load it."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                                   "weight_version": int(weight_version), "load_format": load_format,
+                                   "weight_version": str(int(weight_version)), "load_format": load_format,
                                    "flush_cache": True}
         if bucket_bytes is not None:
             payload["bucket_bytes"] = int(bucket_bytes)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from async_rl.engine.async_engine import EngineStoppedError, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
+from async_rl.engine.sglang_api import parse_version
 from async_rl.types import GenerationOutput, SamplingParams
 from async_rl.weight_sync.staging import WeightSyncError
 
@@ -163,3 +164,12 @@ def parse_sampling(d: dict[str, Any] | None) -> SamplingParams:
     except (ValueError, TypeError) as exc:
         msg = str(exc)
         raise ApiError(400, msg if msg.startswith("sampling_params") else f"sampling_params: {msg}") from None
+
+
+def version_label(label: str) -> int:
+    """SGLang's string `weight_version` as this engine's integer policy version; ApiError if it is not one."""
+    version = parse_version(label)
+    if version is None:
+        raise ApiError(400, f"weight_version: must be an integer in a string (this engine numbers policy versions), "
+                            f"got {label!r}")
+    return version

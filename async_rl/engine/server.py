@@ -47,9 +47,9 @@ from async_rl.config import REDACTED, resolve_secret
 from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
 from async_rl.engine.generate_route import add_generate_route
 from async_rl.engine.http_auth import BearerGuard
-from async_rl.engine.http_common import ApiError, StatusCounter, Strict, error_response, install_error_handlers
+from async_rl.engine.http_common import (ApiError, StatusCounter, Strict, error_response, install_error_handlers,
+                                         version_label)
 from async_rl.engine.openai_api import add_openai_routes
-from async_rl.engine.sglang_api import parse_version
 from async_rl.engine.weight_routes import weight_router
 from async_rl.weight_sync.staging import WeightVersionError
 from async_rl.weight_sync.versions import check_newer
@@ -69,7 +69,9 @@ class ContinueRequest(Strict):
 
 class UpdateWeightsRequest(Strict):
     model_path: str
-    weight_version: StrictInt | str | None = None  # default: current version + 1; SGLang sends a str
+    # default: current version + 1. A string, as SGLang declares it (io_struct.UpdateWeightFromDiskReqInput:
+    # Optional[str]); pydantic does not turn an int into one, so an int is refused there and here
+    weight_version: str | None = None
     load_format: Literal["safetensors", "auto"] | None = None
     abort_all_requests: bool = False
     flush_cache: bool = True  # the KV of in-flight requests is always recomputed under the new weights
@@ -120,10 +122,7 @@ class _Control:
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
         version = self.engine.weight_version + 1
         if req.weight_version is not None:
-            version = parse_version(req.weight_version)
-            if version is None:
-                raise ApiError(400, f"weight_version: must be an integer (this engine numbers policy versions), "
-                                    f"got {req.weight_version!r}")
+            version = version_label(req.weight_version)
         # checked again at the swap; here so nothing is aborted
         check_newer(version, self.engine.weight_version, field="weight_version", current_is="the version in use")
         weights_directory(req.model_path)

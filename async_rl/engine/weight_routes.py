@@ -28,7 +28,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine
-from async_rl.engine.http_common import ApiError
+from async_rl.engine.http_common import ApiError, version_label
 from async_rl.types import WireFormatError
 from async_rl.weight_sync.dist import DistWeightGroups
 from async_rl.weight_sync.layout import WeightLayout
@@ -59,7 +59,7 @@ class UpdateDistributedRequest(_SGLangShaped):
     dtypes: list[str]
     shapes: list[list[StrictInt]]
     group_name: str = "weight_update_group"
-    weight_version: StrictInt | str | None = None  # SGLang sends a string; ours are integers
+    weight_version: str | None = None  # a string, as SGLang declares it (an int is refused: 400)
     flush_cache: bool = True  # the embedded engine always drops its prefix cache on an update
     abort_all_requests: bool = False
     load_format: Literal["flattened_bucket"] | None = None
@@ -68,15 +68,6 @@ class UpdateDistributedRequest(_SGLangShaped):
 
 class DestroyGroupRequest(_SGLangShaped):
     group_name: str = "weight_update_group"
-
-
-def _version(req: UpdateDistributedRequest, current: int) -> int:
-    if req.weight_version is None:
-        return current + 1
-    try:
-        return int(req.weight_version)
-    except ValueError:
-        raise ApiError(400, f"weight_version: must be an integer, got {req.weight_version!r}") from None
 
 
 def weight_router(engine: AsyncEngine, stage_dir: str | Path | None = None) -> APIRouter:
@@ -99,7 +90,7 @@ def weight_router(engine: AsyncEngine, stage_dir: str | Path | None = None) -> A
 
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateDistributedRequest):
-        version = _version(req, engine.weight_version)
+        version = engine.weight_version + 1 if req.weight_version is None else version_label(req.weight_version)
         check_newer(version, engine.weight_version, field="weight_version", current_is="the version in use")
         try:
             layout = WeightLayout.from_specs(req.names, req.dtypes, req.shapes, version=version,

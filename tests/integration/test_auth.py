@@ -181,7 +181,7 @@ def test_http_routes_need_the_bearer_token_but_health_and_model_info(srv, tmp_pa
     weights = save_weights_dir(srv.model, tmp_path / "w")
     prompt = srv.tok.encode("ab")
     guarded = [("POST", "/pause_generation", {"mode": "retract"}), ("POST", "/continue_generation", {}),
-               ("POST", "/update_weights_from_disk", {"model_path": str(weights), "weight_version": 1}),
+               ("POST", "/update_weights_from_disk", {"model_path": str(weights), "weight_version": "1"}),
                ("POST", "/abort_request", {"abort_all": True}), ("POST", "/flush_cache", None),
                ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                        "rank_offset": 1, "world_size": 2}),
@@ -203,7 +203,7 @@ def test_http_routes_need_the_bearer_token_but_health_and_model_info(srv, tmp_pa
 
         assert ok.post("/pause_generation", json={"mode": "retract"}).json()["success"]
         assert anonymous.get("/health").json()["paused"]
-        update = ok.post("/update_weights_from_disk", json={"model_path": str(weights), "weight_version": version + 1})
+        update = ok.post("/update_weights_from_disk", json={"model_path": str(weights), "weight_version": str(version + 1)})
         assert update.status_code == 200 and update.json()["weight_version"] == version + 1
         assert ok.post("/continue_generation").status_code == 200
         assert ok.post("/abort_request", json={"abort_all": True}).status_code == 200

@@ -103,7 +103,7 @@ def test_pause_update_continue_with_requests_in_flight(srv, tmp_path):
             await asyncio.sleep(0.3)
             assert (await c.get("/metrics")).json()["engine/steps_total"] == paused["engine/steps_total"]
             update = (await c.post("/update_weights_from_disk", json={"model_path": str(weights),
-                                                                       "weight_version": start_version + 1})).json()
+                                                                       "weight_version": str(start_version + 1)})).json()
             assert (await c.post("/continue_generation")).status_code == 200
             return paused, update, [(await t).json() for t in tasks]
 
@@ -169,7 +169,7 @@ def test_weights_that_do_not_fit_are_refused_and_change_nothing(srv, tmp_path):
     save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(bad_shape / "model.safetensors"))
     (garbage / "model.safetensors").write_bytes(b"not a safetensors file at all")
     for path in (bad_shape, garbage, empty_dir, bad_shape / "model.safetensors"):  # a file path: SGLang's hub
-        err = post(srv, "/update_weights_from_disk", {"model_path": str(path), "weight_version": 99}, status=400)
+        err = post(srv, "/update_weights_from_disk", {"model_path": str(path), "weight_version": "99"}, status=400)
         assert "model_path" in err["error"]["message"]
     assert srv.http.get("/get_model_info").json()["weight_version"] == version
     assert post(srv, "/generate", GOOD)["meta_info"]["weight_version"] == version

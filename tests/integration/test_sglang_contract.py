@@ -234,6 +234,19 @@ def test_pause_in_abort_mode_answers_at_once_with_the_partial_output(target):
     assert held.finish_reason == "length" and len(held.output_ids) == 4
 
 
+@pytest.mark.parametrize("route", ["/update_weights_from_disk", "/update_weights_from_distributed"])
+def test_weight_version_must_be_a_string(target, route):
+    """SGLang declares `weight_version: Optional[str]` in every update request (sglang/srt/managers/io_struct.py,
+    UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput) and pydantic v2 does not turn an int
+    into a str: an int is a 400 before anything runs. The client sends a string (checked against SGLang's
+    own request models in test_sglang_requests.py)."""
+    body = {"model_path": target.weights} if route.endswith("disk") else {"names": [], "dtypes": [], "shapes": []}
+    with httpx.Client(base_url=target.url, timeout=60, trust_env=False) as http:
+        resp = http.post(route, json={**body, "weight_version": target.version + 1})
+    # pydantic's own words, which both servers pass on (SGLang in str(RequestValidationError))
+    assert resp.status_code == 400 and "weight_version" in resp.text and "valid string" in resp.text, resp.text
+
+
 def test_update_from_disk_takes_a_directory_which_is_then_the_model_it_reports(target):
     """SGLang loads a local checkpoint only from a directory (sglang/srt/model_loader/loader.py,
     `os.path.isdir` in DefaultModelLoader._prepare_weights; a file path goes to the hub and fails), and
