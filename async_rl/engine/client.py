@@ -36,6 +36,7 @@ closes its connection, which makes the embedded server abort the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -266,11 +267,39 @@ class HttpGenerationClient:
             "world_size": int(world_size), "group_name": group_name, "backend": backend, "timeout_s": timeout_s},
             timeout_s + 10.0)
 
+    async def begin_weight_update(self) -> None:
+        """Open SGLang 0.5.23's weight-update session (it refuses a distributed update outside one). A session
+        left open (a client that died between begin and end) is closed first: this side drives the server."""
+        try:
+            await self._weight_call("/begin_weight_update", {}, 30.0)
+        except ValueError as exc:
+            if "already open" not in str(exc):
+                raise
+            await self.end_weight_update()
+            await self._weight_call("/begin_weight_update", {}, 30.0)
+
+    async def end_weight_update(self) -> None:
+        await self._weight_call("/end_weight_update", {}, 30.0)
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, weight_version: int, *, load_format: str | None = None,
-                                              bucket_bytes: int | None = None,
-                                              timeout_s: float = 120.0) -> dict[str, Any]:
-        """Receive one version broadcast by the trainer over `group_name` and load it."""
+                                              bucket_bytes: int | None = None, timeout_s: float = 120.0,
+                                              own_session: bool = True) -> dict[str, Any]:
+        """Receive one version broadcast by the trainer over `group_name` and load it, inside a weight-update
+        session (`begin_weight_update` ... `end_weight_update`, the end also on failure) unless the caller
+        holds one (`own_session=False`: several requests, e.g. one per bucket, in one session)."""
+        if own_session:
+            await self.begin_weight_update()
+            try:
+                body = await self.update_weights_from_distributed(
+                    names, dtypes, shapes, group_name, weight_version, load_format=load_format,
+                    bucket_bytes=bucket_bytes, timeout_s=timeout_s, own_session=False)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the update's own error is the one to report
+                    await self.end_weight_update()
+                raise
+            await self.end_weight_update()
+            return body
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "weight_version": str(int(weight_version)), "load_format": load_format,
                                    "flush_cache": True}

@@ -10,7 +10,8 @@
     GET|POST /flush_cache          drop the prefix cache (400 while requests are running)
     POST /abort_request            {"rid"} or {"abort_all": true}
     GET  /health, /health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics
-    + the OpenAI-compatible routes of `openai_api` and the weight-transfer routes of `weight_routes`
+    + the OpenAI-compatible routes of `openai_api`, the weight-transfer routes of `weight_routes` and
+      SGLang 0.5.23's /begin_weight_update and /end_weight_update around them (`weight_session`)
 
 Pause modes, as SGLang defines them: `abort` returns every running and waiting request at
 once with its partial output (finish_reason abort); `retract` frees the KV of the requests
@@ -51,6 +52,7 @@ from async_rl.engine.http_common import (ApiError, StatusCounter, Strict, error_
                                          version_label)
 from async_rl.engine.openai_api import add_openai_routes
 from async_rl.engine.weight_routes import weight_router
+from async_rl.engine.weight_session import WeightUpdateSession
 from async_rl.weight_sync.staging import WeightVersionError
 from async_rl.weight_sync.versions import check_newer
 
@@ -227,5 +229,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
                 **{f"engine/http_{status}_total": n for status, n in sorted(refused.items())}}
 
     add_openai_routes(app, engine, tokenizer=tokenizer, model_name=model_name)
-    app.include_router(weight_router(engine))  # SGLang's distributed weight-update routes
+    session = WeightUpdateSession()  # SGLang 0.5.23's /begin_weight_update ... /end_weight_update
+    app.include_router(session.router())
+    app.include_router(weight_router(engine, session))  # SGLang's distributed weight-update routes
     return app

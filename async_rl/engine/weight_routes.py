@@ -7,6 +7,9 @@
                                           (+ "bucket_bytes", "timeout_s", ours)
     POST /destroy_weights_update_group    {"group_name"}
 
+An update runs only inside SGLang 0.5.23's session, `/begin_weight_update` ...
+`/end_weight_update` (`weight_session.py`), else 400 as SGLang answers.
+
 Field shapes follow SGLang's (see SGLANG.md); unknown SGLang fields are accepted and
 ignored. `load_format=None` means SGLang's default, one broadcast per tensor in `names`
 order; `"flattened_bucket"` means ours: the packed tensors cut into `bucket_bytes`
@@ -29,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine
 from async_rl.engine.http_common import ApiError, version_label
+from async_rl.engine.weight_session import WeightUpdateSession
 from async_rl.types import WireFormatError
 from async_rl.weight_sync.dist import DistWeightGroups
 from async_rl.weight_sync.layout import WeightLayout
@@ -70,8 +74,10 @@ class DestroyGroupRequest(_SGLangShaped):
     group_name: str = "weight_update_group"
 
 
-def weight_router(engine: AsyncEngine, stage_dir: str | Path | None = None) -> APIRouter:
-    """The routes, sharing one set of groups; versions are staged under `stage_dir` (a temp dir by default)."""
+def weight_router(engine: AsyncEngine, session: WeightUpdateSession,
+                  stage_dir: str | Path | None = None) -> APIRouter:
+    """The routes, sharing one set of groups; versions are staged under `stage_dir` (a temp dir by default).
+    An update runs only inside `session` (SGLang 0.5.23's /begin_weight_update ... /end_weight_update)."""
     router = APIRouter()
     device = engine.engine.runner.device
     groups = DistWeightGroups(stage_dir or tempfile.mkdtemp(prefix="async_rl_stage_"), device)
@@ -90,6 +96,7 @@ def weight_router(engine: AsyncEngine, stage_dir: str | Path | None = None) -> A
 
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateDistributedRequest):
+        session.require("update_weights_from_distributed")
         version = engine.weight_version + 1 if req.weight_version is None else version_label(req.weight_version)
         check_newer(version, engine.weight_version, field="weight_version", current_is="the version in use")
         try:

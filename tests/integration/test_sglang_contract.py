@@ -247,6 +247,25 @@ def test_weight_version_must_be_a_string(target, route):
     assert resp.status_code == 400 and "weight_version" in resp.text and "valid string" in resp.text, resp.text
 
 
+def test_a_distributed_update_runs_only_inside_a_weight_update_session(target):
+    """SGLang 0.5.23 (sglang/srt/managers/scheduler_components/weight_updater.py, SchedulerWeightUpdaterManager):
+    /update_weights_from_distributed outside /begin_weight_update ... /end_weight_update is refused, and so
+    are a second begin and an end without a begin; each a 400 with success false. (0.5.17 had no session.)"""
+    update = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "no_such_group",
+              "weight_version": str(target.version + 1)}
+    with httpx.Client(base_url=target.url, timeout=60, trust_env=False) as http:
+        outside = http.post("/update_weights_from_distributed", json=update)
+        assert outside.status_code == 400 and "begin_weight_update" in outside.text, outside.text
+        assert http.post("/begin_weight_update", json={}).status_code == 200
+        again = http.post("/begin_weight_update", json={})
+        assert again.status_code == 400 and "already open" in again.text, again.text
+        inside = http.post("/update_weights_from_distributed", json=update)  # past the session: the group is unknown
+        assert inside.status_code == 400 and "begin_weight_update" not in inside.text, inside.text
+        assert http.post("/end_weight_update", json={}).status_code == 200
+        closed = http.post("/end_weight_update", json={})
+        assert closed.status_code == 400 and "no weight-update session" in closed.text, closed.text
+
+
 def test_update_from_disk_takes_a_directory_which_is_then_the_model_it_reports(target):
     """SGLang loads a local checkpoint only from a directory (sglang/srt/model_loader/loader.py,
     `os.path.isdir` in DefaultModelLoader._prepare_weights; a file path goes to the hub and fails), and
