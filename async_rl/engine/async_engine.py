@@ -334,6 +334,10 @@ class AsyncEngine:
         """Finish a request with finish_reason "abort"; False if it is not in flight."""
         return await self._call(lambda: self._abort(request_id))
 
+    async def abort_prefix(self, prefix: str) -> int:
+        """Abort every request whose id starts with `prefix`, as SGLang's /abort_request matches; how many."""
+        return await self._call(lambda: sum(self._abort(rid) for rid in list(self._streams) if rid.startswith(prefix)))
+
     async def abort_all(self) -> int:
         return await self._call(lambda: sum(self._abort(rid) for rid in list(self._streams)))
 

@@ -8,7 +8,7 @@
                                    from a memory map at a step boundary, recompute KV, continue (a version
                                    not newer is refused); /model_info reports that path afterwards, as SGLang
     GET|POST /flush_cache          drop the prefix cache (400 while requests are running)
-    POST /abort_request            {"rid"} or {"abort_all": true}
+    POST /abort_request            {"rid"} (every request whose rid starts with it, as SGLang) or {"abort_all": true}
     GET  /health, /health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics
     + the OpenAI-compatible routes of `openai_api`, the weight-transfer routes of `weight_routes` and
       SGLang 0.5.23's /begin_weight_update and /end_weight_update around them (`weight_session`)
@@ -200,7 +200,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
             return {"success": True, "num_aborted_requests": await engine.abort_all()}
         if not req.rid:
             raise ApiError(400, "rid: required (or abort_all: true)")
-        return {"success": await engine.abort(req.rid)}
+        # SGLang aborts every request whose rid starts with this one (scheduler.py, abort_request)
+        return {"success": await engine.abort_prefix(req.rid) > 0}
 
     @app.get("/health")
     @app.get("/health_generate")

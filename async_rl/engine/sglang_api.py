@@ -37,6 +37,16 @@ def generate_body(input_ids: list[int], params: SamplingParams, rid: str, *, str
     return body
 
 
+def piece_rid(rid: str, piece: int) -> str:
+    """The rid piece `piece` of request `rid` is sent under (0 first, then one per move to another server).
+    SGLang's /abort_request aborts every request whose rid *starts with* the one given
+    (sglang/srt/managers/scheduler.py, `Scheduler.abort_request`: `req.rid.startswith(recv_req.rid)`), so the
+    abort of one piece must not be a prefix of another's rid: "<len(rid)>:<rid>/<piece>." is self-delimiting,
+    and no two such rids, whatever `rid` is, ever prefix each other. The one rule for "this rid belongs to that
+    request"; every other rid this side sends is a `new_id()` (32 hex digits: equal lengths, no prefixes)."""
+    return f"{len(rid)}:{rid}/{int(piece)}."
+
+
 # --------------------------------------------------------------------------- answer (server side)
 def finish_reason_json(out: GenerationOutput, matched: int | str | None = None) -> dict[str, Any]:
     if out.finish_reason == "length":

@@ -29,10 +29,10 @@ import torch
 
 from async_rl.config import EngineConfig, ModelConfig, load_config
 from async_rl.engine.client import HttpGenerationClient
-from async_rl.engine.sglang_api import generate_body
+from async_rl.engine.sglang_api import generate_body, piece_rid
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.rollout.server_pool import ServerPool
-from async_rl.types import SamplingParams
+from async_rl.types import SamplingParams, new_id
 from async_rl.weight_sync.versions import version_dir
 from launch.serve import BackgroundServer
 from served_weights import save_weights_dir
@@ -245,6 +245,29 @@ def test_weight_version_must_be_a_string(target, route):
         resp = http.post(route, json={**body, "weight_version": target.version + 1})
     # pydantic's own words, which both servers pass on (SGLang in str(RequestValidationError))
     assert resp.status_code == 400 and "weight_version" in resp.text and "valid string" in resp.text, resp.text
+
+
+def test_abort_request_aborts_every_rid_it_prefixes_so_pieces_never_share_one(target):
+    """SGLang aborts every request whose rid starts with the given one (sglang/srt/managers/scheduler.py,
+    Scheduler.abort_request: `req.rid.startswith(recv_req.rid)`). The names failover gave a request's
+    pieces (the rid, then "<rid>-m1") let the abort of a first piece kill the moved one; `piece_rid`'s
+    cannot prefix each other."""
+    rid = new_id()
+    old_first, old_moved = rid, f"{rid}-m1"
+    first, moved = piece_rid(rid, 0), piece_rid(rid, 1)
+
+    async def main():
+        tasks = {}
+        for name in (old_first, old_moved, first, moved):
+            _, tasks[name] = await streamed_until(target.url, generate_body(target.prompts[0], greedy(), name), 3)
+        async with httpx.AsyncClient(base_url=target.url, timeout=60, trust_env=False) as http:
+            for name in (old_first, first):
+                assert (await http.post("/abort_request", json={"rid": name})).status_code == 200
+        return {name: (await task)["meta_info"]["finish_reason"]["type"] for name, task in tasks.items()}
+
+    ends = asyncio.run(main())
+    assert ends[old_first] == "abort" and ends[old_moved] == "abort", ends  # SGLang's rule, on both servers
+    assert ends[first] == "abort" and ends[moved] == "length", ends  # a piece's abort stays with that piece
 
 
 def test_a_distributed_update_runs_only_inside_a_weight_update_session(target):
