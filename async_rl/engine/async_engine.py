@@ -353,6 +353,10 @@ class AsyncEngine:
         """Free the KV of every started request; it is recomputed when stepping resumes (SGLang's `retract`)."""
         return await self._call(self.engine.retract_all)
 
+    async def running(self) -> int:
+        """Requests that hold KV now (0 after a pause in mode retract or abort; any after in_place)."""
+        return await self._call(lambda: len(self.engine.scheduler.running))
+
     async def flush_cache(self) -> bool:
         """Drop the prefix cache; False (nothing done) while running requests hold KV."""
         return await self._call(self.engine.flush_cache)

@@ -17,7 +17,9 @@ A weight update is pause -> load -> continue; the pause mode is the client's `pa
   once generation continues and joins the pieces; every piece is sampled by one version.
   This is what AReaL, slime and verl do, and it works with any SGLang that has
   /pause_generation. Penalties then see only the current piece's tokens as output;
-- `in_place`: stepping stops, the KV is kept (SGLang then reuses KV computed with the old weights).
+- `in_place`: stepping stops, the KV is kept. SGLang refuses to flush the cache while those requests
+  run and fails an update that asks for it, so updates under this pause send `flush_cache: false`;
+  SGLang then continues them on KV computed with the old weights (the embedded engine recomputes it).
 Where a server reports no per-token versions, the client labels tokens from the update
 times it saw: every token of a request gets the version in use when it was submitted, so a
 request that lived through an update is counted as old as it can be (sound for the
@@ -81,7 +83,7 @@ class HttpGenerationClient:
         self.retractions_total = 0  # meta_info.num_retractions summed over answers
         self._updates = 0  # weight updates done through this client
         self._abort_pauses = 0  # pauses in mode abort done through this client
-        self._abort_paused = False  # a pause in mode abort of this client is in effect
+        self.paused: str | None = None  # the mode of this client's pause in effect (None: not paused by it)
         self._aborted: set[str] = set()  # request ids aborted on purpose: never re-submitted
         self._running = asyncio.Event()  # cleared while this client holds the server paused
         self._running.set()
@@ -150,7 +152,7 @@ class HttpGenerationClient:
     def _paused_us(self, out: GenerationOutput, pauses_at_submit: int) -> bool:
         """Was this answer cut short by a pause in mode abort of this client (so it is to be continued)?"""
         return (out.finish_reason == "abort" and out.request_id not in self._aborted
-                and (self._abort_pauses != pauses_at_submit or self._abort_paused))
+                and (self._abort_pauses != pauses_at_submit or self.paused == "abort"))
 
     async def pause_generation(self, mode: str | None = None) -> None:
         """Pause the server in `mode` (default: this client's `pause_mode`)."""
@@ -158,21 +160,29 @@ class HttpGenerationClient:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode: must be one of {'|'.join(PAUSE_MODES)}, got {mode!r}")
         self._running.clear()
+        self.paused = mode
         if mode == "abort":
             self._abort_pauses += 1
-            self._abort_paused = True
         await self._request("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         try:
             await self._request("POST", "/continue_generation")
         finally:
-            self._abort_paused = False
+            self.paused = None
             self._running.set()
 
+    @property
+    def flush_cache(self) -> bool:
+        """Whether an update may flush the cache: not while this client holds the server paused in mode
+        in_place, whose requests keep their KV (SGLang refuses the flush then and fails the update)."""
+        return self.paused != "in_place"
+
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict[str, Any]:
+        """Load the version in directory `model_path` (SGLang loads every *.safetensors of a directory)."""
         body = await self._request("POST", "/update_weights_from_disk",
-                                   {"model_path": str(model_path), "weight_version": str(int(weight_version))})
+                                   {"model_path": str(model_path), "weight_version": str(int(weight_version)),
+                                    "flush_cache": self.flush_cache})
         if not body.get("success", False):
             raise RuntimeError(f"{self.address}/update_weights_from_disk: {body.get('message', body)}")
         self.weight_updated(weight_version)
@@ -302,7 +312,7 @@ class HttpGenerationClient:
             return body
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "weight_version": str(int(weight_version)), "load_format": load_format,
-                                   "flush_cache": True}
+                                   "flush_cache": self.flush_cache}
         if bucket_bytes is not None:
             payload["bucket_bytes"] = int(bucket_bytes)
         return await self._weight_call("/update_weights_from_distributed", payload, timeout_s + 10.0)

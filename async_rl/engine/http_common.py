@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from async_rl.engine.async_engine import EngineStoppedError, RequestHandle
+from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
 from async_rl.engine.sglang_api import parse_version
 from async_rl.types import GenerationOutput, SamplingParams
@@ -173,3 +173,14 @@ def version_label(label: str) -> int:
         raise ApiError(400, f"weight_version: must be an integer in a string (this engine numbers policy versions), "
                             f"got {label!r}")
     return version
+
+
+async def refuse_unflushable(engine: AsyncEngine, flush_cache: bool) -> None:
+    """ApiError when an update asks for `flush_cache` while paused requests still hold KV (a pause in mode
+    in_place). SGLang refuses that flush and so fails the update, after loading the weights
+    (scheduler_components/weight_updater.py, flush_cache_after_weight_update; scheduler.py, flush_cache:
+    `is_fully_idle`); here it is refused before anything changes."""
+    if flush_cache and engine.paused and await engine.running() > 0:
+        raise ApiError(400, "flush_cache: requests paused in mode in_place hold KV, and the cache cannot be flushed "
+                            "while they run (SGLang loads the weights, then fails the update); pause in mode retract "
+                            "or send flush_cache: false")

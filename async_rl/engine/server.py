@@ -49,7 +49,7 @@ from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
 from async_rl.engine.generate_route import add_generate_route
 from async_rl.engine.http_auth import BearerGuard
 from async_rl.engine.http_common import (ApiError, StatusCounter, Strict, error_response, install_error_handlers,
-                                         version_label)
+                                         refuse_unflushable, version_label)
 from async_rl.engine.openai_api import add_openai_routes
 from async_rl.engine.weight_routes import weight_router
 from async_rl.engine.weight_session import WeightUpdateSession
@@ -76,7 +76,9 @@ class UpdateWeightsRequest(Strict):
     weight_version: str | None = None
     load_format: Literal["safetensors", "auto"] | None = None
     abort_all_requests: bool = False
-    flush_cache: bool = True  # the KV of in-flight requests is always recomputed under the new weights
+    # refused while requests paused in_place hold KV, as SGLang does; the KV of requests in flight is always
+    # recomputed under the new weights here, whatever this says
+    flush_cache: bool = True
     is_async: bool = False  # SGLang's scheduling knobs: no effect here
     torch_empty_cache: bool = False
     keep_pause: bool = False  # an update never changes whether generation is paused here
@@ -128,6 +130,7 @@ class _Control:
         # checked again at the swap; here so nothing is aborted
         check_newer(version, self.engine.weight_version, field="weight_version", current_is="the version in use")
         weights_directory(req.model_path)
+        await refuse_unflushable(self.engine, req.flush_cache)
         aborted = await self.engine.abort_all() if req.abort_all_requests else 0
         try:  # memory-mapped: each tensor is copied once into the model; names and shapes checked first
             stats = await self.engine.update_weights_from_staged(req.model_path, version)

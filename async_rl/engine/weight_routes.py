@@ -31,7 +31,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine
-from async_rl.engine.http_common import ApiError, version_label
+from async_rl.engine.http_common import ApiError, refuse_unflushable, version_label
 from async_rl.engine.weight_session import WeightUpdateSession
 from async_rl.types import WireFormatError
 from async_rl.weight_sync.dist import DistWeightGroups
@@ -64,7 +64,7 @@ class UpdateDistributedRequest(_SGLangShaped):
     shapes: list[list[StrictInt]]
     group_name: str = "weight_update_group"
     weight_version: str | None = None  # a string, as SGLang declares it (an int is refused: 400)
-    flush_cache: bool = True  # the embedded engine always drops its prefix cache on an update
+    flush_cache: bool = True  # refused under an in_place pause with requests running, as SGLang does
     abort_all_requests: bool = False
     load_format: Literal["flattened_bucket"] | None = None
     bucket_bytes: StrictInt = DEFAULT_BUCKET_BYTES
@@ -97,6 +97,7 @@ def weight_router(engine: AsyncEngine, session: WeightUpdateSession,
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateDistributedRequest):
         session.require("update_weights_from_distributed")
+        await refuse_unflushable(engine, req.flush_cache)
         version = engine.weight_version + 1 if req.weight_version is None else version_label(req.weight_version)
         check_newer(version, engine.weight_version, field="weight_version", current_is="the version in use")
         try:

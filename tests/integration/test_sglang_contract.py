@@ -211,6 +211,29 @@ def test_weight_update_under_each_pause_mode(target, mode):
         assert after - before >= len(outs), "every request in flight was retracted once"
 
 
+def test_an_update_asking_to_flush_under_an_in_place_pause_with_requests_running_fails(target):
+    """SGLang refuses to flush the cache while requests run (scheduler.py, flush_cache: `is_fully_idle`), and an
+    update that asks for the flush then fails, after loading (scheduler_components/weight_updater.py,
+    flush_cache_after_weight_update). Under `in_place` the paused requests keep running, so only
+    `flush_cache: false` updates; the client sends that under its in_place pauses."""
+    async def body(c):
+        _, probe = await streamed_until(target.url, generate_body(target.prompts[2], greedy(), "in-place-probe"), 5)
+        await c.pause_generation("in_place")
+        try:
+            update = {"model_path": target.weights, "weight_version": str(target.version + 1)}
+            flushing = await c._http.post("/update_weights_from_disk", json=update)
+            kept = await c._http.post("/update_weights_from_disk", json={**update, "flush_cache": False})
+        finally:
+            await c.continue_generation()
+        await probe
+        return flushing, kept
+
+    flushing, kept = run(target, body)
+    target.version += 1  # SGLang loaded it even though the first call failed
+    assert flushing.status_code == 400 and "flush" in flushing.text.lower(), flushing.text
+    assert kept.status_code == 200, kept.text
+
+
 def test_pause_in_abort_mode_answers_at_once_with_the_partial_output(target):
     async def body(c):
         pending = asyncio.create_task(c._request("POST", "/generate", generate_body(target.prompts[2], greedy(),
