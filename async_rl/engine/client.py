@@ -199,13 +199,16 @@ class HttpGenerationClient:
         await self._request("POST", "/abort_request", {"rid": request_id})
 
     async def health(self) -> bool:
+        """Whether the server answers. SGLang's /health runs a one-token generation, which gets no answer while
+        generation is paused (http_server.health_generate), so while this client holds the server paused it
+        asks /model_info, which answers then; a weight update's own deadline judges a paused server."""
         try:
-            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+            return (await self._http.get("/model_info" if self.paused else "/health", timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             return False
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_model_info", timeout_s=30.0)
+        return await self._request("GET", "/model_info", timeout_s=30.0)  # /get_model_info is deprecated
 
     async def close(self) -> None:
         await self._http.aclose()

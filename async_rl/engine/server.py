@@ -9,7 +9,8 @@
                                    not newer is refused); /model_info reports that path afterwards, as SGLang
     GET|POST /flush_cache          drop the prefix cache (400 while requests are running)
     POST /abort_request            {"rid"} (every request whose rid starts with it, as SGLang) or {"abort_all": true}
-    GET  /health, /health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics
+    GET  /health, /health_generate (as SGLang's: no answer while generation is paused, 503 after 20 s),
+         /model_info (answers while paused; /get_model_info, deprecated), /server_info, /get_server_info, /metrics
     + the OpenAI-compatible routes of `openai_api`, the weight-transfer routes of `weight_routes` and
       SGLang 0.5.23's /begin_weight_update and /end_weight_update around them (`weight_session`)
 
@@ -35,7 +36,9 @@ answers 401 without `Authorization: Bearer <token>` (`http_auth`: one dependency
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +60,8 @@ from async_rl.weight_sync.staging import WeightVersionError
 from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT (srt/entrypoints/http_server.py)
 
 
 # --------------------------------------------------------------------------- native API
@@ -209,8 +214,16 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     @app.get("/health")
     @app.get("/health_generate")
     async def health():
+        # SGLang's /health runs a one-token generation (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, on by default),
+        # which waits while generation is paused: no answer until it continues, 503 after HEALTH_CHECK_TIMEOUT
+        deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT_S
+        while engine.alive and engine.paused and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         if not engine.alive:
             return error_response(503, "engine loop is not running")
+        if engine.paused:
+            return error_response(503, f"generation paused for more than {HEALTH_CHECK_TIMEOUT_S:g}s: the health "
+                                       "check generates a token, as SGLang's does")
         return {"status": "ok", "paused": engine.paused, "weight_version": engine.weight_version}
 
     @app.get("/get_model_info")

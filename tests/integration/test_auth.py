@@ -202,7 +202,7 @@ def test_http_routes_need_the_bearer_token_but_health_and_model_info(srv, tmp_pa
         assert anonymous.get("/openapi.json").status_code == 404  # no open schema either
 
         assert ok.post("/pause_generation", json={"mode": "retract"}).json()["success"]
-        assert anonymous.get("/health").json()["paused"]
+        assert ok.get("/metrics").json()["engine/paused"] == 1.0
         update = ok.post("/update_weights_from_disk", json={"model_path": str(weights), "weight_version": str(version + 1)})
         assert update.status_code == 200 and update.json()["weight_version"] == version + 1
         assert ok.post("/continue_generation").status_code == 200

@@ -14,6 +14,7 @@ import signal
 import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -59,9 +60,10 @@ def prompt_ids(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def with_pool(s, body, health_interval_s=60.0):
+def with_pool(s, body, health_interval_s=60.0, health_timeout_s=5.0):
     async def main():
-        pool = ServerPool([HttpGenerationClient(u) for u in s.urls], health_interval_s=health_interval_s)
+        pool = ServerPool([HttpGenerationClient(u) for u in s.urls], health_interval_s=health_interval_s,
+                          health_timeout_s=health_timeout_s)
         try:
             return await body(pool)
         finally:
@@ -104,6 +106,27 @@ def test_two_servers_share_the_load(servers, reference):
     assert stats["pool/in_flight"] == 0 and stats["pool/in_rotation"] == 2 and stats["pool/reissued"] == 0
     assert_same_as_reference(outs, reference * 2)
     assert all(v == 0 for o in outs for v in o.output_versions)
+
+
+def test_a_server_this_side_paused_is_not_taken_for_dead(servers):
+    """SGLang's /health runs a one-token generation, which gets no answer while generation is paused
+    (sglang/srt/entrypoints/http_server.py, health_generate; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is on by
+    default), and the embedded server answers the same way: a weight update that holds a server paused longer
+    than a health check must not take it out of rotation (every request on it would move)."""
+    async def body(pool):
+        ours = pool.servers[0].client
+        await ours.pause_generation()
+        try:
+            async with httpx.AsyncClient(base_url=servers.urls[0], trust_env=False) as other:
+                with pytest.raises(httpx.TimeoutException):
+                    await other.get("/health", timeout=1.5)  # what the server itself says while paused
+            await pool.check_health()
+            return pool.stats()
+        finally:
+            await ours.continue_generation()
+
+    stats = with_pool(servers, body, health_timeout_s=1.0)
+    assert stats["pool/in_rotation"] == 2 and stats["pool/unhealthy_total"] == 0 and stats["pool/fenced_total"] == 0
 
 
 def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, reference):

@@ -234,6 +234,25 @@ def test_an_update_asking_to_flush_under_an_in_place_pause_with_requests_running
     assert kept.status_code == 200, kept.text
 
 
+def test_health_gets_no_answer_while_paused_but_model_info_does(target):
+    """SGLang's /health generates one token (sglang/srt/entrypoints/http_server.py, health_generate, with
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on, srt/environ.py), which waits while generation is paused;
+    /model_info answers at once. So a client that paused a server probes /model_info (see test_server_pool)."""
+    async def body(c):
+        await c.pause_generation("retract")
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                await c._http.get("/health", timeout=2.0)
+            assert await c.health()  # the client asks /model_info while it holds the pause
+            return (await c._http.get("/model_info", timeout=2.0)).status_code
+        finally:
+            await c.continue_generation()
+
+    assert run(target, body) == 200
+    with httpx.Client(base_url=target.url, timeout=30, trust_env=False) as http:
+        assert http.get("/health").status_code == 200
+
+
 def test_pause_in_abort_mode_answers_at_once_with_the_partial_output(target):
     async def body(c):
         pending = asyncio.create_task(c._request("POST", "/generate", generate_body(target.prompts[2], greedy(),
