@@ -55,6 +55,10 @@ class EngineConfig:
     # environment variable NAME (keeps it out of files and command lines); a literal is redacted
     # from the saved config.yaml.
     api_key: str = ""
+    # /generate with stream: true sends each chunk's new tokens only, not all so far (SGLang's
+    # --incremental-streaming-output: O(n) bytes per response instead of O(n^2)); the rollout side reads
+    # either shape; SGLang's own frontend (sglang.RuntimeEndpoint) needs false, SGLang's default
+    incremental_streaming_output: bool = False
 
 
 @dataclass

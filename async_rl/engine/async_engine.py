@@ -89,7 +89,7 @@ class _Stream:
 
 class RequestHandle:
     """One submitted request. Async-iterate it for `StepOutput` deltas (the last has `finished`
-    and `output`); `output_ids`/`logprobs`/`versions` accumulate as deltas are consumed.
+    and `output`); `output_ids`/`logprobs`/`versions`/`top` accumulate as deltas are consumed.
     `aclose()` aborts the request if it has not finished."""
 
     def __init__(self, engine: "AsyncEngine", request_id: str, prompt_len: int):
@@ -98,6 +98,7 @@ class RequestHandle:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # policy version that sampled each token
+        self.top: list[list[tuple[int, float]]] | None = None  # top log-probs per token, when asked for
         self.output: GenerationOutput | None = None
         self._engine = engine
         self._queue: asyncio.Queue[tuple[StepOutput, int]] = asyncio.Queue()
@@ -116,6 +117,8 @@ class RequestHandle:
         self.output_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.versions += [version] * len(out.new_token_ids)
+        if out.new_top_logprobs is not None:
+            self.top = (self.top or []) + out.new_top_logprobs
         if out.finished:
             self.output = out.output
         return out

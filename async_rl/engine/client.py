@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from async_rl.engine.sglang_api import generate_body, joined_output, output_from_response
+from async_rl.engine.sglang_api import cumulative_chunk, generate_body, joined_output, output_from_response
 from async_rl.types import GenerationOutput, SamplingParams, new_id
 from async_rl.utils.seeding import derive_seed
 
@@ -218,8 +218,10 @@ class HttpGenerationClient:
                               request_id: str | None = None) -> AsyncIterator[tuple[GenerationOutput, bool]]:
         """`generate` over SSE (`stream: true`): yields (output so far, finished) after every chunk, so the
         tokens sampled so far are known even if the server dies mid-request (then ServerUnreachableError).
-        Chunks carry the whole output so far (SGLang's default streaming shape); an unfinished one is
-        reported with finish_reason "abort" until the last chunk says how it ended."""
+        Chunks carry the whole output so far (SGLang's default) or only what is new (a server started with
+        --incremental-streaming-output, `engine.incremental_streaming_output`): both are read
+        (`sglang_api.cumulative_chunk`). An unfinished output is reported with finish_reason "abort" until
+        the last chunk says how it ended."""
         rid = request_id or new_id()
         try:
             async with self._http.stream("POST", "/generate",
@@ -227,11 +229,12 @@ class HttpGenerationClient:
                 if resp.status_code >= 400:
                     await resp.aread()
                     self._check("/generate", resp)
+                body: dict[str, Any] | None = None
                 async for line in resp.aiter_lines():
                     data = line[len("data:"):].strip() if line.startswith("data:") else ""
                     if not data or data == "[DONE]":
                         continue
-                    body = json.loads(data)
+                    body = cumulative_chunk(body, json.loads(data))
                     finished = body["meta_info"].get("finish_reason") is not None
                     if not finished:
                         body["meta_info"]["finish_reason"] = "abort"
