@@ -67,10 +67,11 @@ class SGLangProcess:
 
 def check_sglang(cfg: Config, index: int) -> None:
     """Fail early, naming the config key, where SGLang cannot run server `index`."""
-    if importlib.util.find_spec("sglang") is None:
-        raise RuntimeError("engine.backend=sglang: SGLang is not installed in this environment "
-                           "(pip install 'sglang[all]' on a CUDA machine), or start SGLang servers yourself "
-                           "and list their URLs in rollout.server_addrs")
+    if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("sgl_kernel") is None:
+        raise RuntimeError("engine.backend=sglang: SGLang's server is not installed in this environment (make "
+                           "install puts in only its Python source, for the tests; pip install 'sglang[all]' on a "
+                           "CUDA machine), or start SGLang servers yourself and list their URLs in "
+                           "rollout.server_addrs")
     if cfg.model.name in BUILT_IN_MODELS:
         raise RuntimeError(f"engine.backend=sglang: model.name={cfg.model.name!r} is built in-process and SGLang "
                            "cannot load it; give a Hugging Face checkpoint directory or hub id")
