@@ -6,7 +6,13 @@ Server `index` runs on GPU `index` (CUDA_VISIBLE_DEVICES), listens on `engine.ho
 `engine.port + index` (a free port when engine.port is 0), serves `model.name` (a Hugging
 Face checkpoint directory or hub id), labels its weights version 0 (`--weight-version 0`,
 so per-token versions are integers from the start) and logs to
-`run_dir/logs/sglang<index>.log`. The launcher returns once /health answers 200; a server
+`run_dir/logs/sglang<index>.log`. What the run configures reaches SGLang's flags:
+`engine.incremental_streaming_output` (--incremental-streaming-output),
+`engine.deterministic_inference` (--enable-deterministic-inference: without it SGLang ignores
+`sampling_seed`), the GPU memory share placement gives a server (`engine.gpu_memory_fraction`,
+where the config has it: --mem-fraction-static), `engine.api_key` and `model.dtype`. /health is
+left as SGLang has it (it generates a token, so no answer while paused): the client probes
+/model_info while it holds a server paused. The launcher returns once /health answers 200; a server
 that exits first, or is not up within `timeout_s`, is an error quoting the end of its log.
 Without SGLang installed, or without a GPU for the server, it fails at once with an error
 naming `engine.backend=sglang`. SGLang servers started elsewhere are used through
@@ -95,6 +101,13 @@ def sglang_command(cfg: Config, port: int) -> list[str]:
            "--random-seed", str(cfg.seed)]
     if cfg.model.dtype != "auto":
         cmd += ["--dtype", cfg.model.dtype]
+    if cfg.engine.incremental_streaming_output:  # each streamed chunk carries only its new tokens
+        cmd.append("--incremental-streaming-output")
+    if cfg.engine.deterministic_inference:  # else SGLang ignores sampling_seed
+        cmd.append("--enable-deterministic-inference")
+    fraction = getattr(cfg.engine, "gpu_memory_fraction", None)  # the GPU share placement gives the server
+    if fraction:
+        cmd += ["--mem-fraction-static", str(fraction)]
     if cfg.engine.api_key:  # SGLang then refuses requests without the bearer token, as the embedded server does
         cmd += ["--api-key", resolve_secret(cfg.engine.api_key, "engine.api_key")]
     return cmd
