@@ -1,135 +1,35 @@
-"""The SGLang contract: one set of tests that drives the embedded server and a real SGLang server alike.
+"""The SGLang contract: one set of tests that states SGLang 0.5.23's behaviour and holds both servers to it.
 
-Each contract test runs against every backend: `embedded` (always: a tiny model served for
-real on a free port) and `sglang` (`@pytest.mark.gpu`; it also needs SGLang importable and
-ASYNC_RL_SGLANG_MODEL naming a Hugging Face checkpoint directory, else it is skipped with
-the reason). Covered: the /generate answer's shape (finish_reason objects, [logprob,
-token_id, text] log-probs, weight_version, prompt/completion counts), the frontend's
-null-filled sampling_params, n > 1 as a list, and a weight update under each pause mode
-through `HttpGenerationClient`: `retract` (requests keep their tokens, per-token versions
+Each test runs against every backend (`sglang_targets.target`): `embedded` (always: a tiny
+model served for real on a free port) and `sglang` (`@pytest.mark.gpu`; it also needs SGLang
+importable and ASYNC_RL_SGLANG_MODEL naming a Hugging Face checkpoint directory, else it is
+skipped with the reason). Covered: the /generate answer's shape (finish_reason objects,
+[logprob, token_id, text] log-probs, weight_version, prompt/completion counts), the
+frontend's null-filled sampling_params, n > 1 as a list, and a weight update under each pause
+mode through `HttpGenerationClient`: `retract` (requests keep their tokens, per-token versions
 split at the update), `abort` (partial answers at once; the client re-submits and joins the
 pieces) and `in_place` (nothing steps while paused). On the embedded server the continued
-sequences must equal uninterrupted ones token for token; on SGLang (GPU numerics, a batch
-that changes) only their shape is checked. Tests after the contract are embedded-only:
-what the engine refuses (naming the field), penalties and the log-prob rule over HTTP,
-text trimming, /flush_cache.
+sequences must equal uninterrupted ones token for token; on SGLang (GPU numerics, a batch that
+changes) only their shape is checked. Then SGLang's rules, each naming the source that makes it
+(and held to that line by tests/unit/test_sglang_source_rules.py): no flush under an `in_place`
+pause with requests running, /health silent while paused, `weight_version` a string, prefix
+aborts, the begin/end session around distributed updates, and /update_weights_from_disk taking
+a directory that /model_info then reports. The embedded server's own refusals are in
+test_generate_route.py.
 """
 
 import asyncio
 import glob
-import importlib.util
-import json
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from async_rl.config import EngineConfig, ModelConfig, load_config
-from async_rl.engine.client import HttpGenerationClient
 from async_rl.engine.sglang_api import generate_body, piece_rid
-from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.rollout.server_pool import ServerPool
-from async_rl.types import SamplingParams, new_id
-from async_rl.weight_sync.versions import version_dir
-from launch.serve import BackgroundServer
-from served_weights import save_weights_dir
-
-TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "Hello, world!"]
-LONG = 160  # tokens per request in the interruption tests: long enough to be paused mid-way
-
-
-@dataclass
-class Target:
-    url: str
-    weights: str  # what /update_weights_from_disk loads: the weights being served, so sequences continue
-    prompts: list[list[int]]
-    exact: bool  # continued sequences equal uninterrupted ones token for token
-    name: str = "tiny"  # model.name of a run that uses this server
-    version: int = 0
-    model: Any = None
-    extra: dict = field(default_factory=dict)
-
-
-def _sglang_skip_reason() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return "SGLang is not installed"
-    if not os.environ.get("ASYNC_RL_SGLANG_MODEL"):
-        return "set ASYNC_RL_SGLANG_MODEL to a Hugging Face checkpoint directory SGLang can serve"
-    try:
-        import sglang  # noqa: F401  (the server side needs the whole package, triton included)
-    except Exception as exc:
-        return f"sglang does not import here: {type(exc).__name__}: {exc}"
-    return None
-
-
-@pytest.fixture(scope="module", params=["embedded", pytest.param("sglang", marks=pytest.mark.gpu)])
-def target(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "embedded":
-        torch.set_num_threads(1)
-        tok = build_tiny_tokenizer(PRINTABLE)
-        model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
-        weights = save_weights_dir(model, version_dir(tmp / "weights", 1))  # as a run publishes them
-        bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
-        url = bg.start()
-        yield Target(url, weights, [tok.encode(t) for t in TEXTS], exact=True, model=model,
-                     extra={"tok": tok, "engine": bg.engine})
-        bg.stop()
-        return
-    reason = _sglang_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    from transformers import AutoTokenizer
-
-    from launch.procs import stop_all
-    from launch.sglang_server import start_sglang
-
-    path = os.environ["ASYNC_RL_SGLANG_MODEL"]
-    cfg = load_config(None, [f"model.name={path}", f"run_dir={tmp}", "engine.port=0"])
-    proc, url = start_sglang(cfg, 0)
-    tok = AutoTokenizer.from_pretrained(path)
-    try:
-        yield Target(url, path, [tok.encode(t) for t in TEXTS], exact=False, name=path)
-    finally:
-        stop_all([proc])
-
-
-def run(target: Target, body, pause_mode: str = "retract"):
-    async def main():
-        client = HttpGenerationClient(target.url, timeout_s=120, pause_mode=pause_mode)
-        try:
-            return await body(client)
-        finally:
-            await client.close()
-    return asyncio.run(main())
-
-
-def greedy(n: int = LONG) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-async def streamed_until(url: str, body: dict, tokens: int) -> tuple[asyncio.Event, asyncio.Task]:
-    """Stream `body`; the event is set once an answer chunk holds `tokens` output tokens (or it ended)."""
-    reached = asyncio.Event()
-
-    async def consume():
-        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
-            async with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
-                last = None
-                async for line in resp.aiter_lines():
-                    if line.startswith("data:") and line.strip() != "data: [DONE]":
-                        last = json.loads(line[5:])
-                        if len(last["output_ids"]) >= tokens:
-                            reached.set()
-                reached.set()
-                return last
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(reached.wait(), 60)
-    return reached, task
+from async_rl.types import new_id
+from sglang_targets import LONG, Target, greedy, run, streamed_until
 
 
 # --------------------------------------------------------------------------- the contract
@@ -350,96 +250,3 @@ def test_update_from_disk_takes_a_directory_which_is_then_the_model_it_reports(t
     info = run(target, body)
     target.version += 1
     assert info["model_path"] == target.weights and str(info["weight_version"]) == str(target.version)
-
-
-# --------------------------------------------------------------------------- embedded engine only
-@pytest.fixture(scope="module")
-def emb(tmp_path_factory):
-    torch.set_num_threads(1)
-    tok = build_tiny_tokenizer(PRINTABLE)
-    model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
-    bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
-    url = bg.start()
-    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
-        yield Target(url, "", [tok.encode(t) for t in TEXTS], exact=True, model=model,
-                     extra={"tok": tok, "http": http, "engine": bg.engine})
-    bg.stop()
-
-
-REFUSED = [
-    ({"sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
-    ({"sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
-    ({"sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
-    ({"sampling_params": {"ebnf": "root ::= 'a'"}}, "sampling_params.ebnf"),
-    ({"sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
-    ({"sampling_params": {"frequency_penalty": 3.0}}, "sampling_params.frequency_penalty"),
-    ({"sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "sampling_params.min_new_tokens"),
-    ({"sampling_params": {"n": 2}, "stream": True}, "sampling_params.n"),
-    ({"sampling_params": {"logit_bias": {"99999": 1.0}}}, "sampling_params.logit_bias"),
-    ({"sampling_params": {"sampling_seed": 1, "seed": 2}}, "sampling_params.sampling_seed"),
-    ({"image_data": "http://x/cat.png"}, "image_data"),
-    ({"lora_path": "adapter"}, "lora_path"),
-    ({"logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
-    ({"wat": 1}, "wat"),
-]
-
-
-@pytest.mark.parametrize("extra,field", REFUSED, ids=[f for _, f in REFUSED])
-def test_what_the_engine_cannot_honour_is_refused_naming_it(emb, extra, field):
-    body = {"input_ids": emb.prompts[0], **extra}
-    body["sampling_params"] = {"max_new_tokens": 2, **extra.get("sampling_params", {})}
-    resp = emb.extra["http"].post("/generate", json=body)
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["message"].startswith(field), resp.text
-    ok = emb.extra["http"].post("/generate", json={"input_ids": emb.prompts[0], "sampling_params": {"max_new_tokens": 2}})
-    assert ok.status_code == 200
-
-
-def _forward_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
-
-
-def test_penalties_shape_the_draw_but_log_probs_stay_the_policys(emb):
-    prompt, http = emb.prompts[3], emb.extra["http"]
-    sp = {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True, "sampling_seed": 11}
-    plain = http.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": sp}).json()
-    pen = http.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
-        **sp, "presence_penalty": 2.0, "frequency_penalty": 2.0, "repetition_penalty": 2.0}}).json()
-    ids = pen["output_ids"]
-    assert len(set(ids)) > len(set(plain["output_ids"])), "penalties make the draw avoid repeats"
-    got = torch.tensor([e[0] for e in pen["meta_info"]["output_token_logprobs"]])
-    torch.testing.assert_close(got, _forward_logprobs(emb.model, prompt, ids, 0.8), atol=1e-4, rtol=0)
-    # min_new_tokens: the stop token (EOS) cannot come before it; logit_bias forces a token
-    eos = sorted(emb.extra["engine"].engine.eos_token_ids)[0]
-    forced = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0.0, "logit_bias": {str(eos): 100.0}, "min_new_tokens": 3}}).json()
-    assert forced["output_ids"][3] == eos and eos not in forced["output_ids"][:3] and len(forced["output_ids"]) == 4
-    assert forced["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
-
-
-def test_text_trimming_prefill_only_and_flush_cache(emb):
-    http, tok, prompt = emb.extra["http"], emb.extra["tok"], emb.prompts[0]
-    free = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}).json()
-    stop = tok.decode(free["output_ids"][3:5])
-    cut = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}}).json()
-    kept = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop], "no_stop_trim": True}}).json()
-    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert cut["output_ids"] == kept["output_ids"] and kept["text"].endswith(stop) and not cut["text"].endswith(stop)
-    empty = http.post("/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 0}}).json()
-    assert empty["output_ids"] == [] and empty["meta_info"]["prompt_tokens"] == len(tok.encode("1+1="))
-    assert http.post("/flush_cache").status_code == 200
-
-    async def flush_while_running():
-        async with httpx.AsyncClient(base_url=emb.url, timeout=60, trust_env=False) as c:
-            _, probe = await streamed_until(emb.url, generate_body(prompt, greedy(), "flushed"), 5)
-            refused = await c.get("/flush_cache")
-            await c.post("/abort_request", json={"rid": "flushed"})
-            await probe
-            return refused.status_code
-
-    assert asyncio.run(flush_while_running()) == 400
