@@ -89,28 +89,32 @@ def superseded(path: str | Path, version: int) -> bool:
 
 class StagedVersion(StagedFile):
     """A version assembled in `root/.vNNNNNN.partial/` and renamed to `root/vNNNNNN` by `finish`, so a
-    reader finds a whole version directory or none. `reuse` (a stale version directory) lends its weights
-    file when nobody reads it (`StagedFile`); that directory then goes at once."""
+    reader finds a whole version directory or none. A version published again (a trainer resumed from a
+    checkpoint, the current weights sent again to a side that joined) keeps its directory: the new file is
+    written beside the old one (`.model.safetensors.partial`, which SGLang's `*.safetensors` glob skips)
+    and renamed over it, so a server loading that version meanwhile reads the old file or the new one,
+    never a missing directory. `reuse` (a stale version directory) lends its weights file when nobody
+    reads it (`StagedFile`); that directory then goes at once."""
 
     def __init__(self, root: str | Path, layout: WeightLayout, reuse: Path | None = None):
         self.final = version_dir(root, layout.version)
-        self.partial_dir = self.final.with_name(f".{self.final.name}.partial")
-        shutil.rmtree(self.partial_dir, ignore_errors=True)  # what a crashed attempt left
-        self.partial_dir.mkdir(parents=True)
-        super().__init__(self.partial_dir / WEIGHTS_FILE, layout, reuse=None if reuse is None else reuse / WEIGHTS_FILE)
+        self.partial_dir: Path | None = None
+        home = self.final
+        if not self.final.is_dir():
+            self.partial_dir = home = self.final.with_name(f".{self.final.name}.partial")
+            shutil.rmtree(self.partial_dir, ignore_errors=True)  # what a crashed attempt left
+            self.partial_dir.mkdir(parents=True)
+        super().__init__(home / WEIGHTS_FILE, layout, reuse=None if reuse is None else reuse / WEIGHTS_FILE)
         if self.reused:
             shutil.rmtree(reuse, ignore_errors=True)
 
     def finish(self) -> Path:
         super().finish()
-        if self.final.exists():  # written before a restart: this one replaces it
-            old = self.final.with_name(f".{self.final.name}.replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(self.final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(self.partial_dir, self.final)
+        if self.partial_dir is not None:
+            os.replace(self.partial_dir, self.final)
         return self.final
 
     def abandon(self) -> None:
         super().abandon()
-        shutil.rmtree(self.partial_dir, ignore_errors=True)
+        if self.partial_dir is not None:
+            shutil.rmtree(self.partial_dir, ignore_errors=True)

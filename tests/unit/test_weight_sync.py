@@ -122,13 +122,19 @@ def test_the_pruned_versions_file_is_taken_over_unless_someone_is_reading_it(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000004", "v000005"]
 
 
-def test_a_version_published_again_replaces_its_directory(tmp_path):
-    """A trainer resumed from a checkpoint trains and publishes the versions after it again."""
+def test_a_version_published_again_is_swapped_in_its_directory(tmp_path):
+    """A trainer resumed from a checkpoint publishes the versions after it again, and a trainer publishes
+    its current version again for a rollout side that joins, while servers may be loading it: the
+    directory stays (a random-kill run lost its rollout side when it briefly did not), its file is
+    replaced in one rename."""
     publisher = DiskWeightPublisher(tmp_path, keep_last=2)
     first = publisher.publish({"w": torch.full((3,), 1.0)}, 3)["path"]
+    directory, file = os.stat(first).st_ino, os.stat(_file(first)).st_ino
     again = publisher.publish({"w": torch.full((3,), 2.0)}, 3)["path"]
     assert again == first and torch.equal(load_weights(again)["w"], torch.full((3,), 2.0))
+    assert os.stat(again).st_ino == directory and os.stat(_file(again)).st_ino != file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000003"]  # no partial or replaced leftovers
+    assert os.listdir(again) == ["model.safetensors"]
 
 
 @pytest.mark.parametrize("servers,taken_over", [(["engine.backend=embedded"], True),
