@@ -60,6 +60,14 @@ class EngineConfig:
     # environment variable NAME (keeps it out of files and command lines); a literal is redacted
     # from the saved config.yaml.
     api_key: str = ""
+    # /generate with stream: true sends each chunk's new tokens only, not all so far (SGLang's
+    # --incremental-streaming-output: O(n) bytes per response instead of O(n^2)); the rollout side reads
+    # either shape; SGLang's own frontend (sglang.RuntimeEndpoint) needs false, SGLang's default
+    incremental_streaming_output: bool = False
+    # SGLang servers: --enable-deterministic-inference. Without it SGLang ignores every request's sampling_seed
+    # (sampling_batch_info.py), so a run on SGLang is not reproducible; its batch-invariant kernels cost
+    # throughput. The embedded engine always honours the seeds.
+    deterministic_inference: bool = False
 
 
 @dataclass

@@ -3,12 +3,18 @@
     proc, url = SERVER_LAUNCHERS["sglang"](cfg, index, env)   # = start_sglang
 
 Server `index` runs on the GPU async_rl.placement gave it (`env` holds its CUDA_VISIBLE_DEVICES,
-physical ids, added to the inherited environment), takes `--mem-fraction-static` of its
-memory when `engine.gpu_memory_fraction` is set (always where it shares the GPU with the
-trainer), listens on `engine.host` and `engine.port + index` (a free port when engine.port
-is 0), serves `model.name` (a Hugging Face checkpoint directory or hub id), labels its
-weights version 0 (`--weight-version 0`, so per-token versions are integers from the start)
-and logs to `run_dir/logs/sglang<index>.log`. The launcher returns once /health answers 200; a server
+physical ids, added to the inherited environment), listens on `engine.host` and
+`engine.port + index` (a free port when engine.port is 0), serves `model.name` (a Hugging
+Face checkpoint directory or hub id), labels its weights version 0 (`--weight-version 0`,
+so per-token versions are integers from the start) and logs to
+`run_dir/logs/sglang<index>.log`. What the run configures reaches SGLang's flags:
+`engine.incremental_streaming_output` (--incremental-streaming-output),
+`engine.deterministic_inference` (--enable-deterministic-inference: without it SGLang ignores
+`sampling_seed`), the GPU memory share placement gives a server (`engine.gpu_memory_fraction`:
+--mem-fraction-static, always where it shares the GPU with the trainer), `engine.tp_size`
+(--tp-size), `engine.api_key` and `model.dtype`. /health is left as SGLang has it (it
+generates a token, so no answer while paused): the client probes /model_info while it holds
+a server paused. The launcher returns once /health answers 200; a server
 that exits first, or is not up within `timeout_s`, is an error quoting the end of its log.
 Without SGLang installed it fails at once with an error naming `engine.backend=sglang`
 (without a GPU for it, placement refused the run before it started). SGLang servers started
@@ -69,10 +75,11 @@ class SGLangProcess:
 
 def check_sglang(cfg: Config, index: int) -> None:
     """Fail early, naming the config key, where SGLang cannot run server `index`."""
-    if importlib.util.find_spec("sglang") is None:
-        raise RuntimeError("engine.backend=sglang: SGLang is not installed in this environment "
-                           "(pip install 'sglang[all]' on a CUDA machine), or start SGLang servers yourself "
-                           "and list their URLs in rollout.server_addrs")
+    if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("sgl_kernel") is None:
+        raise RuntimeError("engine.backend=sglang: SGLang's server is not installed in this environment (make "
+                           "install puts in only its Python source, for the tests; pip install 'sglang[all]' on a "
+                           "CUDA machine), or start SGLang servers yourself and list their URLs in "
+                           "rollout.server_addrs")
     if cfg.model.name in BUILT_IN_MODELS:
         raise RuntimeError(f"engine.backend=sglang: model.name={cfg.model.name!r} is built in-process and SGLang "
                            "cannot load it; give a Hugging Face checkpoint directory or hub id")
@@ -90,6 +97,10 @@ def sglang_command(cfg: Config, port: int) -> list[str]:
            "--random-seed", str(cfg.seed)]
     if cfg.model.dtype != "auto":
         cmd += ["--dtype", cfg.model.dtype]
+    if cfg.engine.incremental_streaming_output:  # each streamed chunk carries only its new tokens
+        cmd.append("--incremental-streaming-output")
+    if cfg.engine.deterministic_inference:  # else SGLang ignores sampling_seed
+        cmd.append("--enable-deterministic-inference")
     if cfg.engine.gpu_memory_fraction:  # its share of a GPU (placement sets it where the trainer shares the GPU)
         cmd += ["--mem-fraction-static", f"{cfg.engine.gpu_memory_fraction:g}"]
     if cfg.engine.tp_size > 1:  # its ranks in the dist weight group follow (rank_offset + tp_rank)

@@ -90,7 +90,7 @@ class _Stream:
 
 class RequestHandle:
     """One submitted request. Async-iterate it for `StepOutput` deltas (the last has `finished`
-    and `output`); `output_ids`/`logprobs`/`versions` accumulate as deltas are consumed.
+    and `output`); `output_ids`/`logprobs`/`versions`/`top` accumulate as deltas are consumed.
     `aclose()` aborts the request if it has not finished."""
 
     def __init__(self, engine: "AsyncEngine", request_id: str, prompt_len: int):
@@ -99,6 +99,7 @@ class RequestHandle:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # policy version that sampled each token
+        self.top: list[list[tuple[int, float]]] | None = None  # top log-probs per token, when asked for
         self.output: GenerationOutput | None = None
         self._engine = engine
         self._queue: asyncio.Queue[tuple[StepOutput, int]] = asyncio.Queue()
@@ -117,6 +118,8 @@ class RequestHandle:
         self.output_ids += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.versions += [version] * len(out.new_token_ids)
+        if out.new_top_logprobs is not None:
+            self.top = (self.top or []) + out.new_top_logprobs
         if out.finished:
             self.output = out.output
         return out
@@ -171,6 +174,11 @@ class AsyncEngine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def paused_by_request(self) -> bool:
+        """Paused by /pause_generation (not only held for a version arriving in parts)."""
+        return self._paused and not self._held
 
     @property
     def vocab_size(self) -> int:
@@ -337,6 +345,10 @@ class AsyncEngine:
         """Finish a request with finish_reason "abort"; False if it is not in flight."""
         return await self._call(lambda: self._abort(request_id))
 
+    async def abort_prefix(self, prefix: str) -> int:
+        """Abort every request whose id starts with `prefix`, as SGLang's /abort_request matches; how many."""
+        return await self._call(lambda: sum(self._abort(rid) for rid in list(self._streams) if rid.startswith(prefix)))
+
     async def abort_all(self) -> int:
         return await self._call(lambda: sum(self._abort(rid) for rid in list(self._streams)))
 
@@ -351,6 +363,10 @@ class AsyncEngine:
     async def retract_all(self) -> list[str]:
         """Free the KV of every started request; it is recomputed when stepping resumes (SGLang's `retract`)."""
         return await self._call(self.engine.retract_all)
+
+    async def running(self) -> int:
+        """Requests that hold KV now (0 after a pause in mode retract or abort; any after in_place)."""
+        return await self._call(lambda: len(self.engine.scheduler.running))
 
     async def flush_cache(self) -> bool:
         """Drop the prefix cache; False (nothing done) while running requests hold KV."""
@@ -445,11 +461,9 @@ class AsyncEngine:
         self._partial, self._held = None, False
 
     def _check_newer(self, version: int) -> None:
-        from async_rl.weight_sync.staging import WeightVersionError
+        from async_rl.weight_sync.versions import check_newer
 
-        if version <= self.weight_version:
-            raise WeightVersionError(f"weight_version: {version} is not newer than the version in use "
-                                     f"({self.weight_version}); a version going backwards is refused")
+        check_newer(version, self.weight_version, field="weight_version", current_is="the version in use")
 
 
 def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

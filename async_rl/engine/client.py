@@ -17,7 +17,9 @@ A weight update is pause -> load -> continue; the pause mode is the client's `pa
   once generation continues and joins the pieces; every piece is sampled by one version.
   This is what AReaL, slime and verl do, and it works with any SGLang that has
   /pause_generation. Penalties then see only the current piece's tokens as output;
-- `in_place`: stepping stops, the KV is kept (SGLang then reuses KV computed with the old weights).
+- `in_place`: stepping stops, the KV is kept. SGLang refuses to flush the cache while those requests
+  run and fails an update that asks for it, so updates under this pause send `flush_cache: false`;
+  SGLang then continues them on KV computed with the old weights (the embedded engine recomputes it).
 Where a server reports no per-token versions, the client labels tokens from the update
 times it saw: every token of a request gets the version in use when it was submitted, so a
 request that lived through an update is counted as old as it can be (sound for the
@@ -36,6 +38,7 @@ closes its connection, which makes the embedded server abort the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -44,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from async_rl.engine.sglang_api import generate_body, joined_output, output_from_response
+from async_rl.engine.sglang_api import cumulative_chunk, generate_body, joined_output, output_from_response
 from async_rl.types import GenerationOutput, SamplingParams, new_id
 from async_rl.utils.seeding import derive_seed
 
@@ -80,7 +83,7 @@ class HttpGenerationClient:
         self.retractions_total = 0  # meta_info.num_retractions summed over answers
         self._updates = 0  # weight updates done through this client
         self._abort_pauses = 0  # pauses in mode abort done through this client
-        self._abort_paused = False  # a pause in mode abort of this client is in effect
+        self.paused: str | None = None  # the mode of this client's pause in effect (None: not paused by it)
         self._aborted: set[str] = set()  # request ids aborted on purpose: never re-submitted
         self._running = asyncio.Event()  # cleared while this client holds the server paused
         self._running.set()
@@ -153,7 +156,7 @@ class HttpGenerationClient:
     def _paused_us(self, out: GenerationOutput, pauses_at_submit: int) -> bool:
         """Was this answer cut short by a pause in mode abort of this client (so it is to be continued)?"""
         return (out.finish_reason == "abort" and out.request_id not in self._aborted
-                and (self._abort_pauses != pauses_at_submit or self._abort_paused))
+                and (self._abort_pauses != pauses_at_submit or self.paused == "abort"))
 
     async def pause_generation(self, mode: str | None = None) -> None:
         """Pause the server in `mode` (default: this client's `pause_mode`)."""
@@ -161,21 +164,29 @@ class HttpGenerationClient:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode: must be one of {'|'.join(PAUSE_MODES)}, got {mode!r}")
         self._running.clear()
+        self.paused = mode
         if mode == "abort":
             self._abort_pauses += 1
-            self._abort_paused = True
         await self._request("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         try:
             await self._request("POST", "/continue_generation")
         finally:
-            self._abort_paused = False
+            self.paused = None
             self._running.set()
 
+    @property
+    def flush_cache(self) -> bool:
+        """Whether an update may flush the cache: not while this client holds the server paused in mode
+        in_place, whose requests keep their KV (SGLang refuses the flush then and fails the update)."""
+        return self.paused != "in_place"
+
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict[str, Any]:
+        """Load the version in directory `model_path` (SGLang loads every *.safetensors of a directory)."""
         body = await self._request("POST", "/update_weights_from_disk",
-                                   {"model_path": str(model_path), "weight_version": str(int(weight_version))})
+                                   {"model_path": str(model_path), "weight_version": str(int(weight_version)),
+                                    "flush_cache": self.flush_cache})
         if not body.get("success", False):
             raise RuntimeError(f"{self.address}/update_weights_from_disk: {body.get('message', body)}")
         self.weight_updated(weight_version)
@@ -192,13 +203,16 @@ class HttpGenerationClient:
         await self._request("POST", "/abort_request", {"rid": request_id})
 
     async def health(self) -> bool:
+        """Whether the server answers. SGLang's /health runs a one-token generation, which gets no answer while
+        generation is paused (http_server.health_generate), so while this client holds the server paused it
+        asks /model_info, which answers then; a weight update's own deadline judges a paused server."""
         try:
-            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+            return (await self._http.get("/model_info" if self.paused else "/health", timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             return False
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_model_info", timeout_s=30.0)
+        return await self._request("GET", "/model_info", timeout_s=30.0)  # /get_model_info is deprecated
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -208,8 +222,10 @@ class HttpGenerationClient:
                               request_id: str | None = None) -> AsyncIterator[tuple[GenerationOutput, bool]]:
         """`generate` over SSE (`stream: true`): yields (output so far, finished) after every chunk, so the
         tokens sampled so far are known even if the server dies mid-request (then ServerUnreachableError).
-        Chunks carry the whole output so far (SGLang's default streaming shape); an unfinished one is
-        reported with finish_reason "abort" until the last chunk says how it ended."""
+        Chunks carry the whole output so far (SGLang's default) or only what is new (a server started with
+        --incremental-streaming-output, `engine.incremental_streaming_output`): both are read
+        (`sglang_api.cumulative_chunk`). An unfinished output is reported with finish_reason "abort" until
+        the last chunk says how it ended."""
         rid = request_id or new_id()
         try:
             async with self._http.stream("POST", "/generate",
@@ -217,11 +233,12 @@ class HttpGenerationClient:
                 if resp.status_code >= 400:
                     await resp.aread()
                     self._check("/generate", resp)
+                body: dict[str, Any] | None = None
                 async for line in resp.aiter_lines():
                     data = line[len("data:"):].strip() if line.startswith("data:") else ""
                     if not data or data == "[DONE]":
                         continue
-                    body = json.loads(data)
+                    body = cumulative_chunk(body, json.loads(data))
                     finished = body["meta_info"].get("finish_reason") is not None
                     if not finished:
                         body["meta_info"]["finish_reason"] = "abort"
@@ -274,8 +291,15 @@ class HttpGenerationClient:
 
     async def begin_weight_update(self) -> dict[str, Any]:
         """Open SGLang's weight-update session (0.5.23 refuses distributed updates outside one; a server
-        without the route, as SGLang before it, needs none)."""
-        return await self._session_call("/begin_weight_update")
+        without the route, as SGLang before it, needs none). A session left open (a client that died
+        between begin and end) is closed first: this side drives the server."""
+        try:
+            return await self._session_call("/begin_weight_update")
+        except ValueError as exc:
+            if "already open" not in str(exc):
+                raise
+            await self.end_weight_update()
+            return await self._session_call("/begin_weight_update")
 
     async def end_weight_update(self) -> dict[str, Any]:
         return await self._session_call("/end_weight_update")
@@ -291,10 +315,12 @@ class HttpGenerationClient:
                                               load_format: str | None = None, flush_cache: bool = True,
                                               timeout_s: float = 120.0) -> dict[str, Any]:
         """Receive the tensors named (one bucket, or a whole version) broadcast by the trainer over
-        `group_name` and load them; `weight_version` (sent as a string) marks the version complete."""
+        `group_name` and load them, inside a session the caller holds (`begin_weight_update` ...
+        `end_weight_update`); `weight_version` (sent as a string) marks the version complete. The cache
+        is flushed only where asked and allowed (never under an in_place pause: SGLang fails the update)."""
         payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                    "weight_version": None if weight_version is None else str(int(weight_version)),
-                                   "load_format": load_format, "flush_cache": flush_cache}
+                                   "load_format": load_format, "flush_cache": flush_cache and self.flush_cache}
         body = await self._weight_call("/update_weights_from_distributed", payload, timeout_s + 10.0)
         if weight_version is not None:
             self.weight_updated(weight_version)

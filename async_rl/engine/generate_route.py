@@ -26,7 +26,8 @@ from pydantic import StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
-from async_rl.engine.server import ApiError, _Strict, finish_all_or_disconnect, meta_info, parse_sampling, sse
+from async_rl.engine.http_common import ApiError, Strict, finish_all_or_disconnect, parse_sampling, sse
+from async_rl.engine.sglang_api import incremental_chunk, meta_info
 from async_rl.types import GenerationOutput, SamplingParams, new_id
 
 # SGLang request fields asking for what the embedded engine cannot do: set -> 400 naming the field.
@@ -38,7 +39,7 @@ UNSUPPORTED_REQUEST = {
 }
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(Strict):
     input_ids: list[StrictInt] | None = None
     text: str | None = None  # tokenised by the server's tokenizer when input_ids is not given
     sampling_params: dict[str, Any] | None = None
@@ -191,13 +192,21 @@ class GenerateRoute:
 
     async def stream(self, handle: RequestHandle, req: GenerateRequest, params: SamplingParams,
                      prompt: list[int]) -> AsyncIterator[str]:
-        """SGLang's streaming shape: every chunk carries the output so far; then [DONE]."""
+        """SGLang's streaming shapes: every chunk carries the output so far, or with
+        `engine.incremental_streaming_output` only what is new (`sglang_api.incremental_chunk`); then [DONE]."""
+        incremental = getattr(self.engine.engine.config, "incremental_streaming_output", False)
+        sent = sent_text = 0
         try:
             async for delta in handle:
                 out = delta.output if delta.finished else GenerationOutput(
                     request_id=handle.request_id, prompt_len=handle.prompt_len, output_ids=handle.output_ids,
-                    output_logprobs=handle.logprobs, output_versions=handle.versions, finish_reason="abort")
-                yield sse(self.result(out, req, params, prompt, finished=delta.finished))
+                    output_logprobs=handle.logprobs, output_versions=handle.versions, finish_reason="abort",
+                    output_top_logprobs=handle.top)
+                body = self.result(out, req, params, prompt, finished=delta.finished)
+                if incremental:
+                    body, sent, sent_text = (incremental_chunk(body, sent, sent_text), len(body["output_ids"]),
+                                             len(body.get("text") or ""))
+                yield sse(body)
             yield sse("[DONE]")
         finally:
             await handle.aclose()

@@ -21,7 +21,7 @@ import logging
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from async_rl.engine.server import ApiError
+from async_rl.engine.http_common import ApiError
 
 logger = logging.getLogger(__name__)
 

@@ -32,11 +32,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
-from async_rl.engine.server import ApiError, finish_all_or_disconnect, meta_info, sse
+from async_rl.engine.http_common import ApiError, Strict, finish_all_or_disconnect, sse
+from async_rl.engine.sglang_api import meta_info
 from async_rl.models import chat_prompt_ids
 from async_rl.tool_parsers import (ToolParser, build_tool_parser, chat_template_messages, openai_assistant_message,
                                    template_knows_tool_calls)
@@ -45,15 +46,11 @@ from async_rl.types import GenerationOutput, SamplingParams, new_id
 MAX_N = 64  # most choices one request may ask for
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _Common(_Strict):
+class _Common(Strict):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -4,12 +4,15 @@
                                     "rid", "stream", ...}; sampling_params.n > 1 answers a list (rids "<rid>_<i>")
     POST /pause_generation         {"mode": "abort" | "retract" (our default) | "in_place"}
     POST /continue_generation
-    POST /update_weights_from_disk {"model_path", "weight_version"}: swap in from a memory map at a step
-                                   boundary, recompute KV, continue (a version not newer is refused)
+    POST /update_weights_from_disk {"model_path" (a directory, as SGLang takes it), "weight_version"}: swap in
+                                   from a memory map at a step boundary, recompute KV, continue (a version
+                                   not newer is refused); /model_info reports that path afterwards, as SGLang
     GET|POST /flush_cache          drop the prefix cache (400 while requests are running)
-    POST /abort_request            {"rid"} or {"abort_all": true}
-    GET  /health, /health_generate, /get_model_info, /model_info, /get_server_info, /server_info, /metrics
-    + the OpenAI-compatible routes of `openai_api` and the weight-transfer routes of `weight_routes`
+    POST /abort_request            {"rid"} (every request whose rid starts with it, as SGLang) or {"abort_all": true}
+    GET  /health, /health_generate (as SGLang's: no answer while generation is paused, 503 after 20 s),
+         /model_info (answers while paused; /get_model_info, deprecated), /server_info, /get_server_info, /metrics
+    + the OpenAI-compatible routes of `openai_api`, the weight-transfer routes of `weight_routes` and
+      SGLang 0.5.23's /begin_weight_update and /end_weight_update around them (`weight_session`)
 
 Pause modes, as SGLang defines them: `abort` returns every running and waiting request at
 once with its partial output (finish_reason abort); `retract` frees the KV of the requests
@@ -34,171 +37,53 @@ answers 401 without `Authorization: Bearer <token>` (`http_auth`: one dependency
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import time
 from collections import Counter
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictInt
+from fastapi import Depends, FastAPI
+from fastapi.responses import Response
+from pydantic import StrictInt
 
 from async_rl.config import REDACTED, resolve_secret
-from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError, RequestHandle
-from async_rl.engine.llm_engine import EngineInputError
-from async_rl.engine.sglang_api import finish_reason_json, logprob_entries, parse_version, version_spans
-from async_rl.types import GenerationOutput, SamplingParams
+from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
+from async_rl.engine.generate_route import add_generate_route
+from async_rl.engine.http_auth import BearerGuard
+from async_rl.engine.http_common import (ApiError, StatusCounter, Strict, error_response, install_error_handlers,
+                                         refuse_unflushable, version_label)
+from async_rl.engine.openai_api import add_openai_routes
+from async_rl.engine.weight_routes import weight_router
+from async_rl.engine.weight_session import WeightUpdateSession
 from async_rl.weight_sync.staging import WeightVersionError
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
-
-# --------------------------------------------------------------------------- errors
-class ApiError(Exception):
-    """An answer other than 200: status code and a message that names the field."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers
-
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI's error shape, used by every route (the `openai` client reads `error.message`)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}},
-                        headers=headers)
-
-
-def _location(loc: tuple) -> str:
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "body"
-
-
-def validation_message(exc: RequestValidationError) -> str:
-    errors = exc.errors()
-    if not errors:
-        return "body: invalid request"
-    first = errors[0]
-    kind, where = first.get("type", ""), _location(tuple(first.get("loc", ())))
-    if kind == "json_invalid":
-        return f"body: malformed JSON ({first.get('ctx', {}).get('error', first.get('msg'))})"
-    if kind == "extra_forbidden":
-        return f"{where}: unknown field"
-    if kind == "missing":
-        return f"{where}: required" if where != "body" else "body: a JSON object is required"
-    got = repr(first.get("input"))[:60]
-    return f"{where}: {first.get('msg', 'invalid')} (got {got})"
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, validation_message(exc))
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.headers)
-
-    @app.exception_handler(EngineInputError)
-    async def _engine_input(request: Request, exc: EngineInputError) -> JSONResponse:
-        return error_response(400, str(exc))
-
-    @app.exception_handler(EngineStoppedError)
-    async def _stopped(request: Request, exc: EngineStoppedError) -> JSONResponse:
-        return error_response(503, str(exc))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
-
-
-class StatusCounter:
-    """ASGI middleware counting answers of status 400 and up, the router's 404/405 and 500s included:
-    `engine/http_<status>_total` in /metrics shows how much bad input a server turned away."""
-
-    def __init__(self, app: Any, counts: Counter[int]):
-        self.app, self.counts = app, counts
-
-    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counted(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                self.counts[message["status"]] += 1
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counted)
-        except Exception:  # answered with 500 by the outermost error handler
-            self.counts[500] += 1
-            raise
-
-
-# --------------------------------------------------------------------------- shared helpers
-async def _disconnected(request: Request) -> None:
-    """Return when the client goes away (the body is already read, so only a disconnect arrives)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def finish_all_or_disconnect(handles: list[RequestHandle],
-                                   request: Request) -> list[GenerationOutput] | None:
-    """The finished outputs, or None (requests aborted) if the client disconnects first."""
-    done_task = asyncio.ensure_future(asyncio.gather(*(h.wait() for h in handles)))
-    # requests cancelled at shutdown or on disconnect end the gather with CancelledError: retrieve it,
-    # so asyncio does not print "exception was never retrieved" tracebacks when a run ends
-    done_task.add_done_callback(lambda f: f.cancelled() or f.exception())
-    gone_task = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
-        return done_task.result() if done_task.done() else None
-    finally:
-        done_task.cancel()
-        gone_task.cancel()
-        for h in handles:
-            await h.aclose()
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-def parse_sampling(d: dict[str, Any] | None) -> SamplingParams:
-    try:
-        return SamplingParams.from_wire(d)
-    except (ValueError, TypeError) as exc:
-        msg = str(exc)
-        raise ApiError(400, msg if msg.startswith("sampling_params") else f"sampling_params: {msg}") from None
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT (srt/entrypoints/http_server.py)
 
 
 # --------------------------------------------------------------------------- native API
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PauseRequest(_Strict):
+class PauseRequest(Strict):
     # SGLang's default is "abort"; ours keeps requests in flight (the RL-safe one). Clients name the mode.
     mode: Literal["abort", "retract", "in_place"] = "retract"
 
 
-class ContinueRequest(_Strict):
+class ContinueRequest(Strict):
     torch_empty_cache: bool = True  # SGLang's; nothing to empty here
 
 
-class UpdateWeightsRequest(_Strict):
+class UpdateWeightsRequest(Strict):
     model_path: str
-    weight_version: StrictInt | str | None = None  # default: current version + 1; SGLang sends a str
+    # default: current version + 1. A string, as SGLang declares it (io_struct.UpdateWeightFromDiskReqInput:
+    # Optional[str]); pydantic does not turn an int into one, so an int is refused there and here
+    weight_version: str | None = None
     load_format: Literal["safetensors", "auto"] | None = None
     abort_all_requests: bool = False
-    flush_cache: bool = True  # the KV of in-flight requests is always recomputed under the new weights
+    # refused while requests paused in_place hold KV, as SGLang does; the KV of requests in flight is always
+    # recomputed under the new weights here, whatever this says
+    flush_cache: bool = True
     is_async: bool = False  # SGLang's scheduling knobs: no effect here
     torch_empty_cache: bool = False
     keep_pause: bool = False  # an update never changes whether generation is paused here
@@ -207,36 +92,32 @@ class UpdateWeightsRequest(_Strict):
     manifest: None = None
 
 
-class AbortRequest(_Strict):
+class AbortRequest(Strict):
     rid: str = ""
     abort_all: bool = False
 
 
-def meta_info(out: GenerationOutput, return_logprob: bool, weight_version: int, finished: bool = True, *,
-              retractions: int = 0, token_text: Callable[[int], str] | None = None,
-              matched: int | str | None = None) -> dict[str, Any]:
-    """SGLang's `meta_info` of one answer (see `sglang_api`), plus our per-token versions."""
-    meta: dict[str, Any] = {
-        "id": out.request_id, "finish_reason": finish_reason_json(out, matched) if finished else None,
-        "prompt_tokens": out.prompt_len, "completion_tokens": len(out.output_ids),
-        "cached_tokens": out.prefix_cached_tokens, "weight_version": weight_version,
-        "weight_versions": version_spans(out.output_versions), "output_token_versions": out.output_versions,
-        "num_interruptions": out.num_interruptions, "num_retractions": retractions,
-    }
-    if return_logprob:
-        meta["input_token_logprobs"] = []
-        meta["output_token_logprobs"] = logprob_entries(out.output_logprobs, out.output_ids, token_text)
-        if out.output_top_logprobs is not None:
-            meta["output_top_logprobs"] = [[[lp, t, None if token_text is None else token_text(t)] for t, lp in pos]
-                                           for pos in out.output_top_logprobs]
-    return meta
+def weights_directory(model_path: str) -> str:
+    """`model_path` if it is a directory; ApiError otherwise. SGLang loads a local checkpoint only from a
+    directory (every *.safetensors in it; sglang/srt/model_loader/loader.py, `os.path.isdir`) and sends any
+    other path to the Hugging Face hub, so a file path never loads there and is refused here too."""
+    p = Path(model_path)
+    if p.is_dir():
+        return model_path
+    if p.exists():
+        raise ApiError(400, f"model_path: {model_path!r} is a file; give the directory that holds it (SGLang loads "
+                            "every *.safetensors of a checkpoint directory and looks any other path up on the hub)")
+    raise ApiError(400, f"model_path: {model_path!r} does not exist (pruned by weight_sync.keep_last, or never "
+                        "written?)")
 
 
 class _Control:
-    """Pause modes, weight updates and cache control; `retracted` counts retractions per request id."""
+    """Pause modes, weight updates and cache control; `retracted` counts retractions per request id;
+    `model_path` is what the server serves: after an update from disk, that path (as SGLang reports it)."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, model_path: str):
         self.engine = engine
+        self.model_path = model_path
         self.retracted: Counter[str] = Counter()
 
     async def pause(self, mode: str) -> dict[str, Any]:
@@ -250,13 +131,11 @@ class _Control:
     async def update_weights(self, req: UpdateWeightsRequest) -> dict[str, Any]:
         version = self.engine.weight_version + 1
         if req.weight_version is not None:
-            version = parse_version(req.weight_version)
-            if version is None:
-                raise ApiError(400, f"weight_version: must be an integer (this engine numbers policy versions), "
-                                    f"got {req.weight_version!r}")
-        if version <= self.engine.weight_version:  # checked again at the swap; here so nothing is aborted
-            raise ApiError(400, f"weight_version: {version} is not newer than the version in use "
-                                f"({self.engine.weight_version}); a version going backwards is refused")
+            version = version_label(req.weight_version)
+        # checked again at the swap; here so nothing is aborted
+        check_newer(version, self.engine.weight_version, field="weight_version", current_is="the version in use")
+        weights_directory(req.model_path)
+        await refuse_unflushable(self.engine, req.flush_cache)
         aborted = await self.engine.abort_all() if req.abort_all_requests else 0
         try:  # memory-mapped: each tensor is copied once into the model; names and shapes checked first
             stats = await self.engine.update_weights_from_staged(req.model_path, version)
@@ -269,6 +148,7 @@ class _Control:
         except Exception as exc:  # safetensors, shape and name errors all mean: this file does not fit
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ApiError(400, f"model_path: cannot load {req.model_path!r}: {first}") from None
+        self.model_path = req.model_path  # SGLang's /model_info reports the weights' path from now on
         return {"success": True, "message": f"loaded weight version {version} from {req.model_path}",
                 "weight_version": version, "num_paused_requests": int(stats.get("engine/interrupted", 0)),
                 "num_aborted_requests": aborted, **stats}
@@ -280,9 +160,11 @@ class _Control:
                         status_code=400)
 
 
-def model_info(engine: AsyncEngine, model_name: str) -> dict[str, Any]:
-    return {"model_path": model_name, "model_name": model_name, "served_model_name": model_name,
-            "tokenizer_path": model_name, "is_generation": True, "vocab_size": engine.vocab_size,
+def model_info(engine: AsyncEngine, model_path: str, tokenizer_path: str) -> dict[str, Any]:
+    """SGLang's /model_info keys (`model_path` and `served_model_name` follow an update from disk), plus
+    the engine's limits."""
+    return {"model_path": model_path, "served_model_name": model_path,
+            "tokenizer_path": tokenizer_path, "is_generation": True, "vocab_size": engine.vocab_size,
             "max_context": engine.max_context, "context_length": engine.max_context,
             "max_new_tokens_limit": engine.max_new_tokens_limit,
             "eos_token_ids": sorted(engine.engine.eos_token_ids), "weight_version": engine.weight_version}
@@ -292,11 +174,6 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     """The FastAPI app: native routes plus the OpenAI-compatible ones (these need `tokenizer`).
     `api_key` (default: the engine's `engine.api_key`; "env:NAME" is read from the environment)
     guards every route but the health and model-info probes; "" = open."""
-    from async_rl.engine.generate_route import add_generate_route  # it imports this module's helpers
-    from async_rl.engine.http_auth import BearerGuard  # likewise
-    from async_rl.engine.openai_api import add_openai_routes  # it imports this module's helpers
-    from async_rl.engine.weight_routes import weight_router  # likewise
-
     token = resolve_secret(getattr(engine.engine.config, "api_key", "") if api_key is None else api_key,
                            "engine.api_key")
     guard = BearerGuard(token) if token else None
@@ -305,7 +182,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
     install_error_handlers(app)
     refused: Counter[int] = Counter()  # answers by status >= 400
     app.add_middleware(StatusCounter, counts=refused)
-    control = _Control(engine)
+    control = _Control(engine, model_name)
     add_generate_route(app, engine, tokenizer, control.retracted)
 
     @app.post("/pause_generation")
@@ -331,19 +208,28 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
             return {"success": True, "num_aborted_requests": await engine.abort_all()}
         if not req.rid:
             raise ApiError(400, "rid: required (or abort_all: true)")
-        return {"success": await engine.abort(req.rid)}
+        # SGLang aborts every request whose rid starts with this one (scheduler.py, abort_request)
+        return {"success": await engine.abort_prefix(req.rid) > 0}
 
     @app.get("/health")
     @app.get("/health_generate")
     async def health():
+        # SGLang's /health runs a one-token generation (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, on by default),
+        # which waits while generation is paused: no answer until it continues, 503 after HEALTH_CHECK_TIMEOUT
+        deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT_S
+        while engine.alive and engine.paused and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         if not engine.alive:
             return error_response(503, "engine loop is not running")
+        if engine.paused:
+            return error_response(503, f"generation paused for more than {HEALTH_CHECK_TIMEOUT_S:g}s: the health "
+                                       "check generates a token, as SGLang's does")
         return {"status": "ok", "paused": engine.paused, "weight_version": engine.weight_version}
 
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def get_model_info():
-        return model_info(engine, model_name)
+        return model_info(engine, control.model_path, model_name)
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -352,7 +238,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
         shown = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
         if shown.get("api_key"):
             shown["api_key"] = REDACTED
-        return {**model_info(engine, model_name), "engine_config": shown, "stats": engine.stats()}
+        return {**model_info(engine, control.model_path, model_name), "engine_config": shown, "stats": engine.stats()}
 
     @app.get("/metrics")
     async def metrics():
@@ -360,5 +246,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, tokenizer: Any = None, ap
                 **{f"engine/http_{status}_total": n for status, n in sorted(refused.items())}}
 
     add_openai_routes(app, engine, tokenizer=tokenizer, model_name=model_name)
-    app.include_router(weight_router(engine))  # SGLang's distributed weight-update routes
+    session = WeightUpdateSession()  # SGLang 0.5.23's /begin_weight_update ... /end_weight_update
+    app.include_router(session.router())
+    app.include_router(weight_router(engine, session))  # SGLang's distributed weight-update routes
     return app

@@ -37,6 +37,16 @@ def generate_body(input_ids: list[int], params: SamplingParams, rid: str, *, str
     return body
 
 
+def piece_rid(rid: str, piece: int) -> str:
+    """The rid piece `piece` of request `rid` is sent under (0 first, then one per move to another server).
+    SGLang's /abort_request aborts every request whose rid *starts with* the one given
+    (sglang/srt/managers/scheduler.py, `Scheduler.abort_request`: `req.rid.startswith(recv_req.rid)`), so the
+    abort of one piece must not be a prefix of another's rid: "<len(rid)>:<rid>/<piece>." is self-delimiting,
+    and no two such rids, whatever `rid` is, ever prefix each other. The one rule for "this rid belongs to that
+    request"; every other rid this side sends is a `new_id()` (32 hex digits: equal lengths, no prefixes)."""
+    return f"{len(rid)}:{rid}/{int(piece)}."
+
+
 # --------------------------------------------------------------------------- answer (server side)
 def finish_reason_json(out: GenerationOutput, matched: int | str | None = None) -> dict[str, Any]:
     if out.finish_reason == "length":
@@ -61,6 +71,64 @@ def version_spans(versions: list[int]) -> list[dict[str, Any]]:
         else:
             spans.append({"version": str(v), "start": i, "end": i + 1})
     return spans
+
+
+def meta_info(out: GenerationOutput, return_logprob: bool, weight_version: int, finished: bool = True, *,
+              retractions: int = 0, token_text: Callable[[int], str] | None = None,
+              matched: int | str | None = None) -> dict[str, Any]:
+    """SGLang's `meta_info` of one answer (see `sglang_api`), plus our per-token versions."""
+    meta: dict[str, Any] = {
+        "id": out.request_id, "finish_reason": finish_reason_json(out, matched) if finished else None,
+        "prompt_tokens": out.prompt_len, "completion_tokens": len(out.output_ids),
+        "cached_tokens": out.prefix_cached_tokens, "weight_version": weight_version,
+        "weight_versions": version_spans(out.output_versions), "output_token_versions": out.output_versions,
+        "num_interruptions": out.num_interruptions, "num_retractions": retractions,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = logprob_entries(out.output_logprobs, out.output_ids, token_text)
+        if out.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [[[lp, t, None if token_text is None else token_text(t)] for t, lp in pos]
+                                           for pos in out.output_top_logprobs]
+    return meta
+
+
+# --------------------------------------------------------------------------- streaming: both shapes
+# meta_info lists with one entry per output token: a chunk of incremental streaming carries only its own
+# (SGLang: tokenizer_manager._INCREMENTAL_STREAMING_META_INFO_KEYS; output_token_versions is ours); the rest
+# (completion_tokens, weight_versions spans, finish_reason) always counts from the start
+PER_TOKEN_META = ("output_token_logprobs", "output_top_logprobs", "output_token_versions")
+
+
+def incremental_chunk(chunk: dict[str, Any], sent: int, sent_text: int) -> dict[str, Any]:
+    """A cumulative /generate chunk cut down to what follows the first `sent` output ids (and `sent_text`
+    characters of text): SGLang's shape under --incremental-streaming-output."""
+    meta = {k: v[sent:] if k in PER_TOKEN_META and isinstance(v, list) else v for k, v in chunk["meta_info"].items()}
+    out = {**chunk, "output_ids": chunk["output_ids"][sent:], "meta_info": meta}
+    if isinstance(chunk.get("text"), str):
+        out["text"] = chunk["text"][sent_text:]
+    return out
+
+
+def cumulative_chunk(prev: dict[str, Any] | None, chunk: dict[str, Any]) -> dict[str, Any]:
+    """A streamed /generate chunk in SGLang's default shape (the output so far), whichever shape it came in;
+    `prev` is the previous chunk as this returned it. Under --incremental-streaming-output SGLang sends only
+    the new output ids and per-token entries (tokenizer_manager._handle_batch_output), and a request aborted
+    while waiting ends with its last id once more (_handle_abort_req); `completion_tokens` tells them apart."""
+    ids, meta = chunk["output_ids"], chunk["meta_info"]
+    total, done = meta.get("completion_tokens"), len(prev["output_ids"]) if prev else 0
+    if total is None or total == len(ids):
+        return chunk  # the output so far (or the first chunk, the same in both shapes)
+    if prev is None or total not in (done, done + len(ids)):
+        raise ValueError(f"/generate stream: a chunk of {len(ids)} output ids says completion_tokens={total} "
+                         f"after {done}: neither SGLang's cumulative nor its incremental shape")
+    new = total > done  # else nothing new: the last id sent again
+    merged = {k: list(prev["meta_info"].get(k) or []) + list((meta.get(k) or []) if new else [])
+              for k in PER_TOKEN_META if k in meta or k in prev["meta_info"]}
+    out = {**chunk, "output_ids": prev["output_ids"] + (ids if new else []), "meta_info": {**meta, **merged}}
+    if isinstance(prev.get("text"), str) and isinstance(chunk.get("text"), str):
+        out["text"] = prev["text"] + (chunk["text"] if new else "")
+    return out
 
 
 # --------------------------------------------------------------------------- answer (client side)

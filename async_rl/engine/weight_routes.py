@@ -7,18 +7,21 @@
     POST /destroy_weights_update_group    {"group_name"}
 
 Field shapes follow SGLang's (`srt/managers/io_struct.py`); unknown SGLang fields are
-accepted and ignored. One update request receives exactly what SGLang receives for it
+accepted and ignored. An update runs only inside SGLang 0.5.23's session,
+`/begin_weight_update` ... `/end_weight_update` (`weight_session.py`), else 400 as SGLang
+answers. One update request receives exactly what SGLang receives for it
 (`weight_sync.dist_server`): `load_format="flattened_bucket"` is ONE broadcast of every
 tensor the request names, `None` one broadcast per named tensor. A model arrives in one
-request or in several (one per bucket, between `/begin_weight_update` and
-`/end_weight_update`); each request's tensors go straight into the parameters on the
-engine's device, with the engine loop held at a step boundary from the first part of a
-version until it is complete (`AsyncEngine.load_tensors`): the request that carries
-`weight_version` (a string, as SGLang declares it), or, without one, the request after which
-every parameter has arrived. So a forward pass never mixes two versions. A transfer that
-fails leaves the parameters partly updated (as SGLang does) and the loop paused until a
-whole version loads; the rollout side fences such a server. A group join or a transfer that
-does not finish within the group's `timeout_s` fails with 400.
+request or in several (one per bucket, in one session); each request's tensors go straight
+into the parameters on the engine's device, with the engine loop held at a step boundary
+from the first part of a version until it is complete (`AsyncEngine.load_tensors`): the
+request that carries `weight_version` (a string, as SGLang declares it), or, without one,
+the request after which every parameter has arrived. So a forward pass never mixes two
+versions. A transfer that fails leaves the parameters partly updated (as SGLang does) and
+the loop paused until a whole version loads; the rollout side fences such a server. An
+update asking to flush the cache under an in_place pause with requests running is refused,
+as SGLang fails it. A group join or a transfer that does not finish within the group's
+`timeout_s` fails with 400.
 """
 
 from __future__ import annotations
@@ -31,10 +34,12 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine
-from async_rl.engine.server import ApiError
+from async_rl.engine.http_common import ApiError, refuse_unflushable, version_label
+from async_rl.engine.weight_session import WeightUpdateSession
 from async_rl.weight_sync.dist_server import DistWeightGroups
 from async_rl.weight_sync.layout import dtype_name
 from async_rl.weight_sync.staging import WeightSyncError
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +62,8 @@ class UpdateDistributedRequest(_SGLangShaped):
     dtypes: list[str]
     shapes: list[list[StrictInt]]
     group_name: str = "weight_update_group"
-    weight_version: str | None = None  # SGLang's type; ours are integers written as strings
-    flush_cache: bool = True  # the embedded engine drops its prefix cache whenever a version completes
+    weight_version: str | None = None  # a string, as SGLang declares it (an int is refused: 400)
+    flush_cache: bool = True  # refused under an in_place pause with requests running, as SGLang does
     abort_all_requests: bool = False
     load_format: Literal["flattened_bucket"] | None = None
 
@@ -67,17 +72,9 @@ class DestroyGroupRequest(_SGLangShaped):
     group_name: str = "weight_update_group"
 
 
-def _version(req: UpdateDistributedRequest) -> int | None:
-    if req.weight_version is None:
-        return None
-    try:
-        return int(req.weight_version)
-    except ValueError:
-        raise ApiError(400, f"weight_version: must be an integer, got {req.weight_version!r}") from None
-
-
-def weight_router(engine: AsyncEngine) -> APIRouter:
-    """The routes, sharing one set of groups; tensors are received on the engine's device."""
+def weight_router(engine: AsyncEngine, session: WeightUpdateSession) -> APIRouter:
+    """The routes, sharing one set of groups; tensors are received on the engine's device. An update
+    runs only inside `session` (SGLang 0.5.23's /begin_weight_update ... /end_weight_update)."""
     router = APIRouter()
     groups = DistWeightGroups(engine.engine.runner.device)
     lock = asyncio.Lock()  # one collective at a time per server
@@ -95,10 +92,11 @@ def weight_router(engine: AsyncEngine) -> APIRouter:
 
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(req: UpdateDistributedRequest):
-        version = _version(req)
-        if version is not None and version <= engine.weight_version:
-            raise ApiError(400, f"weight_version: {version} is not newer than the version in use "
-                                f"({engine.weight_version}); a version going backwards is refused")
+        session.require("update_weights_from_distributed")
+        await refuse_unflushable(engine, req.flush_cache)
+        version = None if req.weight_version is None else version_label(req.weight_version)
+        if version is not None:
+            check_newer(version, engine.weight_version, field="weight_version", current_is="the version in use")
         try:
             if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
                 raise ValueError(f"names, dtypes, shapes: must have the same length, got "

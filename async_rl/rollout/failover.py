@@ -34,7 +34,7 @@ from typing import Any
 
 # the client's own rule for continuing a request (fresh seed, remaining lengths), so both resume alike
 from async_rl.engine.client import ServerUnreachableError, _resumed
-from async_rl.engine.sglang_api import joined_output
+from async_rl.engine.sglang_api import joined_output, piece_rid
 from async_rl.rollout.server_pool import Server, ServerPool, Session
 from async_rl.types import GenerationOutput, SamplingParams, new_id
 
@@ -85,7 +85,7 @@ class PooledGenerationClient:
                 params = sampling_params if not move else _resumed(sampling_params, done)
                 server = await self.pool.acquire(timeout_s=self.acquire_timeout_s, session=self.session,
                                                  overload_margin=self.overload_margin)
-                piece_id = rid if not move else f"{rid}-m{move}"
+                piece_id = piece_rid(rid, move)
                 piece = _Piece()
                 self._running[rid] = (server, piece_id, done, piece)
                 try:

@@ -13,13 +13,15 @@
     await pool.close()
 
 A server is *in rotation* while it is healthy and not fenced. It leaves rotation when a
-health check fails, when a request to it fails for want of a connection, or when it is
-fenced (it missed a weight update's deadline, or the update failed on it). Leaving sets
-the server's `gone` event: generations running on it (see `failover.py`) stop waiting for
-it and continue on another server. An unhealthy server that answers again rejoins by
-itself if it still holds the current weights; a fenced one rejoins only once it has loaded
-the current version (at the next weight update, or when a late load turns out to have
-finished: the health check asks it for its `weight_version`).
+health check fails (except while this side holds it paused: SGLang's /health gets no
+answer then, and the weight update that paused it has its own deadline), when a request to
+it fails for want of a connection, or when it is fenced (it missed a weight update's
+deadline, or the update failed on it). Leaving sets the server's `gone` event: generations
+running on it (see `failover.py`) stop waiting for it and continue on another server. An
+unhealthy server that answers again rejoins by itself if it still holds the current
+weights; a fenced one rejoins only once it has loaded the current version (at the next
+weight update, or when a late load turns out to have finished: the health check asks it
+for its `weight_version`).
 
 Placement. A request without a session goes to the server in rotation with the fewest
 requests in flight; among equals, to the one holding the fewest sessions, and among those
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rl.protocols import GenerationClient
+from async_rl.weight_sync.versions import version_of
 
 logger = logging.getLogger(__name__)
 
@@ -247,12 +250,15 @@ class ServerPool:
 
     # ------------------------------------------------------------------ health
     async def _check_one(self, server: Server) -> None:
+        paused = _paused_by_us(server)
         try:
             ok = await asyncio.wait_for(server.client.health(), self.health_timeout_s)
         except (asyncio.TimeoutError, OSError) as exc:
             ok, why = False, f"no health answer ({type(exc).__name__})"
         else:
             why = "health check failed"
+        if not ok and (paused or _paused_by_us(server)):
+            return  # this side paused it for a weight update, which has its own deadline: a probe proves nothing
         if not ok:
             self.mark_unhealthy(server, why)
             return
@@ -307,7 +313,7 @@ class ServerPool:
         seen: dict[str, Any] = {}
         for s in self.servers:
             info = await s.client.get_model_info()
-            name = str(info.get("model_name") or info.get("model_path") or "")
+            name = _served_model(info)
             where = f"{key}[{s.index}] ({s.address})"
             if name and not _same_model(name, model_name):
                 raise ValueError(f"{where}: serves model {name!r}, but model.name is {model_name!r}; "
@@ -334,6 +340,20 @@ class ServerPool:
                         f"{p}/healthy": int(s.healthy),
                         f"{p}/fenced": int(s.fenced), f"{p}/version": s.version, f"{p}/failures": s.failures})
         return out
+
+
+def _paused_by_us(server: Server) -> bool:
+    """Whether this side holds `server` paused now (its client's pause in effect): SGLang's /health gets no
+    answer then (it generates a token), so a failed probe is no sign of a dead server."""
+    return getattr(server.client, "paused", None) is not None
+
+
+def _served_model(info: dict[str, Any]) -> str:
+    """The model a server says it runs (/model_info). After an update from disk SGLang reports the weights'
+    directory as `model_path` (tokenizer_manager._update_model_path_info); for a weight version's directory
+    the model is the one its tokenizer came from (`tokenizer_path`, set at launch)."""
+    path = str(info.get("model_path") or info.get("served_model_name") or "")
+    return str(info.get("tokenizer_path") or "") if version_of(path) is not None else path
 
 
 def _same_model(served: str, configured: str) -> bool:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from async_rl.utils.weights import as_source
 from async_rl.weight_sync import flat_bucket, group
-from async_rl.weight_sync.staging import WeightSyncError, WeightVersionError
+from async_rl.weight_sync.staging import WeightSyncError
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,8 @@ class DistWeightPublisher:
     def publish(self, weights: Any, version: int) -> None:
         """Announce `version` over the queue, then broadcast it; returns None (the message already went).
         `weights`: a `WeightSource` (read tensor by tensor) or a state dict."""
-        if isinstance(version, int) and version <= self.last_version:
-            raise WeightVersionError(f"version: {version} is not newer than the last published ({self.last_version})")
+        if isinstance(version, int):
+            check_newer(version, self.last_version, field="version", current_is="the last published")
         t0 = time.perf_counter()
         source = as_source(weights)
         try:

@@ -23,7 +23,8 @@ from typing import Any
 
 from async_rl.protocols import GenerationClient
 from async_rl.utils.logs import one_line
-from async_rl.weight_sync.staging import WeightSyncError, WeightVersionError
+from async_rl.weight_sync.staging import WeightSyncError
+from async_rl.weight_sync.versions import check_newer
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,7 @@ class DistWeightReceiver:
 
     async def prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
         version = int(msg["version"])
-        if version <= self.accepted:
-            raise WeightVersionError(f"weights.version: v{version} is not newer than v{self.accepted}, already "
-                                     "accepted (a version going backwards)")
+        check_newer(version, self.accepted, field="weights.version", current_is="the version already accepted")
         group = msg.get("group")
         if not isinstance(group, dict) or not {"master_address", "master_port", "world_size", "group_name"} <= set(group):
             raise WeightSyncError("weights.group: missing or incomplete (the trainer and this side disagree on "

@@ -24,7 +24,7 @@ from async_rl.weight_sync.disk import DiskWeightPublisher
 from async_rl.weight_sync.dist_publisher import DistWeightPublisher
 from async_rl.weight_sync.dist_receiver import WILDCARDS, host_of
 from async_rl.weight_sync.group import choose_backend
-from async_rl.weight_sync.receivers import keep_last
+from async_rl.weight_sync.receivers import keep_last, readers_lock
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher
 
 Broadcast = Callable[..., Any]
@@ -62,7 +62,8 @@ def wire_dtype(cfg: Config) -> torch.dtype | None:
 
 
 def _disk(cfg: Config, broadcast: Broadcast) -> DiskWeightPublisher:
-    return DiskWeightPublisher(Path(cfg.run_dir) / "weights", keep_last=keep_last(cfg), dtype=wire_dtype(cfg))
+    return DiskWeightPublisher(Path(cfg.run_dir) / "weights", keep_last=keep_last(cfg), dtype=wire_dtype(cfg),
+                               take_over=readers_lock(cfg))
 
 
 def _zmq(cfg: Config, broadcast: Broadcast) -> ZmqWeightPublisher:

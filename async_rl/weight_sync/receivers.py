@@ -14,13 +14,13 @@ from typing import Any
 
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, WeightReceiver
-from async_rl.weight_sync.disk import superseded
 from async_rl.weight_sync.dist_receiver import DistWeightReceiver, host_of
+from async_rl.weight_sync.versions import superseded
 from async_rl.weight_sync.zmq_buckets import ZmqWeightReceiver
 
 
 class DiskWeightReceiver:
-    """`disk`: the message names a file on a shared file system; each server loads it."""
+    """`disk`: the message names a version directory on a shared file system; each server loads it."""
 
     async def prepare(self, msg: dict[str, Any]) -> str:
         return str(msg["path"])
@@ -41,12 +41,19 @@ def keep_last(cfg: Config) -> int:
     return max(cfg.weight_sync.keep_last, eta + 2)
 
 
+def readers_lock(cfg: Config) -> bool:
+    """Whether every server that loads weights is an embedded engine this run starts: it holds a read lock
+    while it maps a version, so the file of a version being pruned may be written over when unlocked.
+    SGLang (`engine.backend=sglang`, or any server in `rollout.server_addrs`) maps files without one."""
+    return cfg.engine.backend == "embedded" and not cfg.rollout.server_addrs
+
+
 def _disk(cfg: Config, queue: Any) -> DiskWeightReceiver:
     return DiskWeightReceiver()
 
 
 def _zmq(cfg: Config, queue: Any) -> ZmqWeightReceiver:
-    receiver = ZmqWeightReceiver(Path(cfg.run_dir) / "weights", keep_last(cfg))
+    receiver = ZmqWeightReceiver(Path(cfg.run_dir) / "weights", keep_last(cfg), take_over=readers_lock(cfg))
     if queue is not None:
         receiver.attach(queue)
     return receiver

@@ -17,12 +17,13 @@ bucket while chunks keep the link, the checksums and the writes busy at the same
 `publish` returns once every chunk is acknowledged, i.e. staged (so the model may change).
 
 The receiver takes manifests and chunks from the queue client's bulk worker thread
-(`attach`) and writes each chunk into a staged safetensors file in its run directory
-(`staging.StagedFile`: order, length and CRC-32 checked). The commit reaches the controller
-through the ordinary control stream, after every chunk before it was handled; `prepare`
-then returns the finished file, or raises the error that rejected the version (a manifest
-not newer than the last one, a truncated or corrupted bucket, buckets missing). `load` asks
-each server to load the file (`/update_weights_from_disk`, which real SGLang also serves;
+(`attach`) and writes each chunk into the version's staged directory in its run directory
+(`versions.StagedVersion`, a `staging.StagedFile`: order, length and CRC-32 checked). The
+commit reaches the controller through the ordinary control stream, after every chunk before
+it was handled; `prepare` then returns the finished version directory (`weights/vNNNNNN`,
+`model.safetensors` inside), or raises the error that rejected the version (a manifest not
+newer than the last one, a truncated or corrupted bucket, buckets missing). `load` asks each
+server to load the directory (`/update_weights_from_disk`, which real SGLang also serves;
 the embedded server swaps it in from a memory map).
 """
 
@@ -41,10 +42,10 @@ import torch
 from async_rl.protocols import GenerationClient
 from async_rl.types import WireFormatError
 from async_rl.utils.weights import WeightSource, as_source
-from async_rl.weight_sync.disk import check_keep_last, prune, stale_files, superseded, weights_filename
 from async_rl.weight_sync.layout import WeightLayout, crc32
-from async_rl.weight_sync.staging import (BucketError, StagedFile, WeightSyncError, WeightsSuperseded,
-                                           WeightVersionError)
+from async_rl.weight_sync.staging import BucketError, WeightSyncError, WeightsSuperseded
+from async_rl.weight_sync.versions import (StagedVersion, check_keep_last, check_newer, prune, stale_dirs,
+                                            superseded)
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +92,8 @@ class ZmqWeightPublisher:
 
     def _publish(self, source: WeightSource, version: int) -> dict[str, Any]:
         # the same version again is a replay for a rollout side that joined; receivers that hold it skip it
-        if isinstance(version, int) and version < self.last_version:
-            raise WeightVersionError(f"version: {version} is older than the last published "
-                                     f"({self.last_version})")
+        if isinstance(version, int):
+            check_newer(version, self.last_version, field="version", current_is="the last published", replay_ok=True)
         t0, cpu0 = time.perf_counter(), _process_cpu_s()
         deadline = time.monotonic() + self.deadline_s
         layout, tensors = WeightLayout.from_source(source, self.dtype, version=version, bucket_bytes=self.bucket_bytes,
@@ -135,16 +135,17 @@ class ZmqWeightPublisher:
 
 
 class ZmqWeightReceiver:
-    """Rollout side: buckets -> a staged file per version in `directory`; servers load the file.
+    """Rollout side: buckets -> a staged directory per version in `directory`; servers load the directory.
     `handle` runs in the queue client's bulk thread and `prepare` on the event loop: a lock keeps
     their view of the versions consistent."""
 
-    def __init__(self, directory: str | Path, keep_last: int):
+    def __init__(self, directory: str | Path, keep_last: int, take_over: bool = True):
         self.directory = Path(directory).resolve()
         self.keep_last = check_keep_last(keep_last)
+        self.take_over = take_over  # False where a server may not lock what it loads (SGLang): see disk.py
         self.accepted = -1  # newest version whose manifest was accepted
         self.stats: dict[str, float] = {}  # the last completed version's sync/recv_* timings
-        self._stages: dict[int, StagedFile] = {}
+        self._stages: dict[int, StagedVersion] = {}
         self._done: dict[int, Path] = {}
         self._replayed: set[int] = set()  # versions sent again (for a joining side) that we already hold
         self._failed: dict[int, str] = {}
@@ -182,9 +183,8 @@ class ZmqWeightReceiver:
         if layout.version == self.accepted and layout.version in self._done:
             self._replayed.add(layout.version)  # sent again for a side that joined: we hold it already
             return
-        if layout.version <= self.accepted:
-            raise WeightVersionError(f"weights manifest.version: v{layout.version} is not newer than "
-                                     f"v{self.accepted}, already accepted (a version going backwards)")
+        check_newer(layout.version, self.accepted, field="weights manifest.version",
+                    current_is="the version already accepted")
         for v, stage in list(self._stages.items()):  # an older version that never completed
             logger.warning("weights v%d abandoned: %d of %d buckets arrived before v%d started", v,
                            len(stage.received), len(stage.layout.buckets), layout.version)
@@ -194,8 +194,8 @@ class ZmqWeightReceiver:
             del self._stages[v]
         self.accepted = layout.version
         self.directory.mkdir(parents=True, exist_ok=True)
-        stale = stale_files(self.directory, layout.version, self.keep_last)  # pruned once this one completes
-        stage = StagedFile(self.directory / weights_filename(layout.version), layout, reuse=stale[0] if stale else None)
+        stale = stale_dirs(self.directory, layout.version, self.keep_last)  # pruned once this one completes
+        stage = StagedVersion(self.directory, layout, reuse=stale[0] if stale and self.take_over else None)
         self._stages[layout.version] = stage
         if stage.complete:  # no tensors at all
             self._complete(layout.version)

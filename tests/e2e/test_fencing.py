@@ -66,7 +66,7 @@ def test_server_killed_during_a_weight_update_is_fenced_and_the_run_completes(tm
         servers = wait_for(lambda: (tmp_path / "servers.json").is_file() and json.loads(
             (tmp_path / "servers.json").read_text() or "null"), 120, "the servers", run)
         assert [s["index"] for s in servers] == [0, 1]
-        wait_for(lambda: list((tmp_path / "weights").glob("weights_v000002*")), 120, "weight version 2", run)
+        wait_for(lambda: list((tmp_path / "weights").glob("*v000002*")), 120, "weight version 2", run)
         os.kill(servers[1]["pid"], signal.SIGKILL)
         out, err = run.communicate(timeout=240)
     finally:

@@ -68,7 +68,7 @@ def test_train_and_rollout_started_separately(tmp_path):
     assert train.returncode == 0, err[-3000:]
     assert len(metrics(tmp_path / "t")) == 3
     # the rollout side loaded weights it received over the queue into its own run directory
-    assert list((tmp_path / "r" / "weights").glob("weights_v*.safetensors"))
+    assert list((tmp_path / "r" / "weights").glob("v*/model.safetensors"))  # a directory per version
     assert (tmp_path / "r" / "eval.jsonl").is_file()
     # the trainer's directory alone cannot vouch for what the rollout side produced: incomplete, exit 1
     alone = cli("audit", str(tmp_path / "t"), timeout=60)

@@ -27,7 +27,6 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from safetensors.torch import load_file, save_file
 
 from async_rl.config import ConfigError, EngineConfig, ModelConfig, load_config, resolve_secret, save_config
 from async_rl.engine.client import HttpGenerationClient
@@ -37,8 +36,10 @@ from async_rl.transport.client import TrajectoryQueueClient
 from async_rl.transport.messages import Group, Hello, pack
 from async_rl.transport.queue import TrajectoryQueueServer
 from async_rl.types import Trajectory
+from async_rl.weight_sync.disk import load_weights
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
 from launch.serve import BackgroundServer
+from served_weights import save_weights_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"heartbeat_s": 0.1, "peer_timeout_s": 10.0}
@@ -135,7 +136,7 @@ async def _queue_scenario(server, keys, tmp_path):
     sender.start()
     commit = await asyncio.wait_for(controls.__anext__(), 30)
     sender.join(30)
-    weights = load_file(await receiver.prepare(commit))
+    weights = load_weights(await receiver.prepare(commit))  # the version's directory
     await good.close()
     return groups, note, weights
 
@@ -177,11 +178,10 @@ def _http(url: str, token: str | None) -> httpx.Client:
 
 
 def test_http_routes_need_the_bearer_token_but_health_and_model_info(srv, tmp_path):
-    weights = tmp_path / "w.safetensors"
-    save_file({k: v.detach().clone().contiguous() for k, v in srv.model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(srv.model, tmp_path / "w")
     prompt = srv.tok.encode("ab")
     guarded = [("POST", "/pause_generation", {"mode": "retract"}), ("POST", "/continue_generation", {}),
-               ("POST", "/update_weights_from_disk", {"model_path": str(weights), "weight_version": 1}),
+               ("POST", "/update_weights_from_disk", {"model_path": str(weights), "weight_version": "1"}),
                ("POST", "/abort_request", {"abort_all": True}), ("POST", "/flush_cache", None),
                ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                        "rank_offset": 1, "world_size": 2}),
@@ -202,8 +202,8 @@ def test_http_routes_need_the_bearer_token_but_health_and_model_info(srv, tmp_pa
         assert anonymous.get("/openapi.json").status_code == 404  # no open schema either
 
         assert ok.post("/pause_generation", json={"mode": "retract"}).json()["success"]
-        assert anonymous.get("/health").json()["paused"]
-        update = ok.post("/update_weights_from_disk", json={"model_path": str(weights), "weight_version": version + 1})
+        assert ok.get("/metrics").json()["engine/paused"] == 1.0
+        update = ok.post("/update_weights_from_disk", json={"model_path": str(weights), "weight_version": str(version + 1)})
         assert update.status_code == 200 and update.json()["weight_version"] == version + 1
         assert ok.post("/continue_generation").status_code == 200
         assert ok.post("/abort_request", json={"abort_all": True}).status_code == 200
@@ -223,7 +223,7 @@ def test_http_client_sends_the_token(srv):
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
         anonymous = HttpGenerationClient(srv.url)
         await anonymous.wait_ready(10)  # /health is open
-        assert (await anonymous.get_model_info())["model_name"] == "tiny"
+        assert (await anonymous.get_model_info())["tokenizer_path"] == "tiny"
         with pytest.raises(ValueError, match="Authorization"):
             await anonymous.pause_generation()
         with pytest.raises(ValueError, match="Authorization"):

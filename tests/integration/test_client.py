@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine.client import HttpGenerationClient, ServerUnreachableError
@@ -21,6 +20,7 @@ from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.protocols import GenerationClient
 from async_rl.types import SamplingParams
 from launch.serve import BackgroundServer
+from served_weights import save_weights_dir
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,7 @@ def test_server_4xx_becomes_value_error_with_the_servers_message(srv):
 
 
 def test_pause_update_continue_and_abort_through_the_client(srv, tmp_path):
-    weights = tmp_path / "w.safetensors"
-    save_file({k: v.detach().clone().contiguous() for k, v in srv.model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(srv.model, tmp_path / "w")
     params = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
     new_version = srv.engine.weight_version + 1
 
@@ -152,3 +151,37 @@ def test_a_call_longer_than_the_timeout_raises_timeout_error(srv):
             await c.continue_generation()
 
     run_with_client(srv.url, body, timeout_s=0.5)
+
+
+def test_streams_of_either_shape_give_the_same_output(srv):
+    """SGLang streams the output so far in every chunk, or with --incremental-streaming-output only what is
+    new (O(n) bytes instead of O(n^2)); the embedded server does either (`engine.incremental_streaming_output`)
+    and the client reads both into the same outputs, log-probs, top log-probs and versions."""
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True, top_logprobs=2)
+    prompt = srv.tok.encode("stream me")
+    cfg = EngineConfig(kv_cache_mb=16, incremental_streaming_output=True)
+
+    async def stream(url):
+        chunks, last, sent = 0, None, 0
+        client = HttpGenerationClient(url)
+        try:
+            async with client._http.stream("POST", "/generate", json={
+                    "input_ids": prompt, "stream": True, "sampling_params": params.to_wire()}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:") and "[DONE]" not in line:
+                        chunks, sent = chunks + 1, sent + line.count(",")
+            async for out, finished in client.generate_stream(prompt, params):
+                last = out
+            return last, sent, chunks, await client.generate(prompt, params)
+        finally:
+            await client.close()
+
+    with BackgroundServer.for_model(srv.model, srv.tok, cfg, model_name="tiny") as url:
+        deltas, delta_size, delta_chunks, whole = asyncio.run(stream(url))
+    sofar, sofar_size, _, sofar_whole = asyncio.run(stream(srv.url))
+    assert delta_chunks > 2 and delta_size < sofar_size / 2  # far fewer bytes for the same tokens
+    assert sofar.output_ids == deltas.output_ids
+    for out, whole in ((deltas, whole), (sofar, sofar_whole)):  # the servers may hold different versions
+        assert out.output_ids == whole.output_ids and out.output_logprobs == whole.output_logprobs
+        assert out.output_top_logprobs == whole.output_top_logprobs and out.output_versions == whole.output_versions
+        assert out.finish_reason == "length"

@@ -12,7 +12,6 @@ glue; and the trajectory survives the wire codec.
 
 import asyncio
 import dataclasses
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -48,7 +47,8 @@ def srv(tmp_path_factory):
     tok = load_tokenizer(cfg)
     bg = BackgroundServer.for_model(load_model(cfg, seed=0, tokenizer=tok), tok, EngineConfig(kv_cache_mb=16),
                                     model_name="scripted")
-    yield SimpleNamespace(url=bg.start(), tok=tok, engine=bg.engine, weights=str(Path(ckpt) / "model.safetensors"))
+    # the checkpoint directory is what /update_weights_from_disk takes (SGLang loads a directory, not a file)
+    yield SimpleNamespace(url=bg.start(), tok=tok, engine=bg.engine, weights=str(ckpt))
     bg.stop()
 
 

@@ -12,7 +12,6 @@ import dataclasses
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from async_rl.config import load_config
 from async_rl.engine.client import HttpGenerationClient
@@ -21,6 +20,7 @@ from async_rl.rollout.controller import RolloutController
 from async_rl.tasks import build_task
 from launch.serve import BackgroundServer
 from tests.e2e.test_run import DEBUG
+from served_weights import save_weights_dir
 
 ETA = 1
 LENGTH = 200
@@ -36,11 +36,10 @@ def setup(tmp_path):
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model)
     model = load_model(cfg.model, seed=cfg.seed, tokenizer=tok)
-    weights = tmp / "weights.safetensors"  # the server's own weights, loaded again as each "new" version
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(model, tmp / "weights")  # the server's own weights, loaded again as each "new" version
     server = BackgroundServer.for_model(model, tok, cfg.engine, model_name=cfg.model.name)
     url = server.start()
-    yield cfg, tok, url, str(weights)
+    yield cfg, tok, url, weights
     server.stop()
 
 

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, eos_token_ids, load_model
 from launch.serve import BackgroundServer, EngineServer
+from served_weights import save_weights_dir
 
 TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "a", "Hello, world!", "0123"]
 
@@ -83,8 +84,7 @@ def test_generate_round_trip_logprobs_match_a_fresh_forward(srv):
 
 
 def test_pause_update_continue_with_requests_in_flight(srv, tmp_path):
-    weights = tmp_path / "policy_v1.safetensors"
-    save_file({k: v.detach().clone().contiguous() for k, v in srv.model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(srv.model, tmp_path / "policy_v1")
     start_version = srv.engine.weight_version
     params = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
     prompts = [srv.tok.encode(t) for t in TEXTS]
@@ -103,7 +103,7 @@ def test_pause_update_continue_with_requests_in_flight(srv, tmp_path):
             await asyncio.sleep(0.3)
             assert (await c.get("/metrics")).json()["engine/steps_total"] == paused["engine/steps_total"]
             update = (await c.post("/update_weights_from_disk", json={"model_path": str(weights),
-                                                                       "weight_version": start_version + 1})).json()
+                                                                       "weight_version": str(start_version + 1)})).json()
             assert (await c.post("/continue_generation")).status_code == 200
             return paused, update, [(await t).json() for t in tasks]
 
@@ -142,7 +142,7 @@ BAD = [
     ("/generate", {"sampling_params": {}}, "input_ids"),
     ("/generate", [1, 2], "body"),
     ("/generate", b'{"input_ids": [1,', "JSON"),
-    ("/update_weights_from_disk", {"model_path": "/nonexistent/w.safetensors"}, "model_path"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/w"}, "model_path"),
     ("/update_weights_from_disk", {"weight_version": 3}, "model_path"),
     ("/abort_request", {"rid": 5}, "rid"),
     ("/abort_request", {}, "rid"),
@@ -163,14 +163,13 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_server_keeps_serving(srv, p
 
 def test_weights_that_do_not_fit_are_refused_and_change_nothing(srv, tmp_path):
     version = srv.engine.weight_version
-    bad_shape = tmp_path / "bad_shape.safetensors"
-    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(bad_shape))
-    garbage = tmp_path / "garbage.safetensors"
-    garbage.write_bytes(b"not a safetensors file at all")
-    empty_dir = tmp_path / "empty"
-    empty_dir.mkdir()
-    for path in (bad_shape, garbage, empty_dir):
-        err = post(srv, "/update_weights_from_disk", {"model_path": str(path), "weight_version": 99}, status=400)
+    bad_shape, garbage, empty_dir = tmp_path / "bad_shape", tmp_path / "garbage", tmp_path / "empty"
+    for d in (bad_shape, garbage, empty_dir):
+        d.mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(bad_shape / "model.safetensors"))
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    for path in (bad_shape, garbage, empty_dir, bad_shape / "model.safetensors"):  # a file path: SGLang's hub
+        err = post(srv, "/update_weights_from_disk", {"model_path": str(path), "weight_version": "99"}, status=400)
         assert "model_path" in err["error"]["message"]
     assert srv.http.get("/get_model_info").json()["weight_version"] == version
     assert post(srv, "/generate", GOOD)["meta_info"]["weight_version"] == version
@@ -237,7 +236,8 @@ def test_closing_a_stream_aborts_its_request(srv):
 def test_health_model_info_and_metrics(srv):
     assert srv.http.get("/health").json()["status"] == "ok"
     info = srv.http.get("/get_model_info").json()
-    assert info["vocab_size"] == len(srv.tok) and info["max_context"] == 512 and info["model_path"] == "tiny"
+    assert info["vocab_size"] == len(srv.tok) and info["max_context"] == 512 and info["tokenizer_path"] == "tiny"
+    assert info["served_model_name"] == info["model_path"]  # "tiny", or the directory an earlier test loaded
     assert info["eos_token_ids"] == eos_token_ids(srv.model, srv.tok)
     server_info = srv.http.get("/get_server_info").json()
     assert server_info["engine_config"]["kv_cache_mb"] == 16 and "engine/running" in server_info["stats"]

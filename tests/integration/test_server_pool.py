@@ -14,9 +14,10 @@ import signal
 import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from async_rl.config import load_config
 from async_rl.engine.client import HttpGenerationClient
@@ -25,13 +26,15 @@ from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import NoServerError, ServerPool
 from async_rl.rollout.weight_update import WeightUpdateError, update_servers
 from async_rl.types import SamplingParams
-from async_rl.weight_sync.disk import DiskWeightPublisher, weights_filename
+from async_rl.weight_sync.disk import DiskWeightPublisher
+from async_rl.weight_sync.versions import version_dir
 from async_rl.weight_sync.receivers import DiskWeightReceiver
 from async_rl.weight_sync.staging import WeightsSuperseded
 from launch.common import free_port
 from launch.procs import start_server, stop_all
 from launch.serve import BackgroundServer
 from tests.e2e.test_run import DEBUG
+from served_weights import save_weights_dir
 
 PROMPTS = ["1+2=", "0+0=", "2+2=", "1+1=", "2+0=", "0+1=", "4+3=", "3+1="]
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -42,11 +45,10 @@ def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool")
     cfg = load_config(DEBUG, [f"run_dir={tmp}", "model.dtype=float32", "engine.num_threads=1", "log.level=WARNING"])
     tok = load_tokenizer(cfg.model)
-    weights = tmp / "same_weights.safetensors"  # the servers' own weights, to load as "new" versions
     model = load_model(cfg.model, seed=cfg.seed, tokenizer=tok)
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(model, tmp / "same_weights")  # the servers' own weights, to load as "new" versions
     started = [start_server(cfg, i) for i in range(2)]
-    yield SimpleNamespace(cfg=cfg, tok=tok, weights=str(weights), procs=[p for p, _ in started],
+    yield SimpleNamespace(cfg=cfg, tok=tok, weights=weights, procs=[p for p, _ in started],
                           urls=[u for _, u in started])
     for p in started:
         if p[0].is_alive():
@@ -58,9 +60,10 @@ def prompt_ids(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def with_pool(s, body, health_interval_s=60.0):
+def with_pool(s, body, health_interval_s=60.0, health_timeout_s=5.0):
     async def main():
-        pool = ServerPool([HttpGenerationClient(u) for u in s.urls], health_interval_s=health_interval_s)
+        pool = ServerPool([HttpGenerationClient(u) for u in s.urls], health_interval_s=health_interval_s,
+                          health_timeout_s=health_timeout_s)
         try:
             return await body(pool)
         finally:
@@ -103,6 +106,27 @@ def test_two_servers_share_the_load(servers, reference):
     assert stats["pool/in_flight"] == 0 and stats["pool/in_rotation"] == 2 and stats["pool/reissued"] == 0
     assert_same_as_reference(outs, reference * 2)
     assert all(v == 0 for o in outs for v in o.output_versions)
+
+
+def test_a_server_this_side_paused_is_not_taken_for_dead(servers):
+    """SGLang's /health runs a one-token generation, which gets no answer while generation is paused
+    (sglang/srt/entrypoints/http_server.py, health_generate; SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is on by
+    default), and the embedded server answers the same way: a weight update that holds a server paused longer
+    than a health check must not take it out of rotation (every request on it would move)."""
+    async def body(pool):
+        ours = pool.servers[0].client
+        await ours.pause_generation()
+        try:
+            async with httpx.AsyncClient(base_url=servers.urls[0], trust_env=False) as other:
+                with pytest.raises(httpx.TimeoutException):
+                    await other.get("/health", timeout=1.5)  # what the server itself says while paused
+            await pool.check_health()
+            return pool.stats()
+        finally:
+            await ours.continue_generation()
+
+    stats = with_pool(servers, body, health_timeout_s=1.0)
+    assert stats["pool/in_rotation"] == 2 and stats["pool/unhealthy_total"] == 0 and stats["pool/fenced_total"] == 0
 
 
 def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, reference):
@@ -214,7 +238,7 @@ def test_a_version_pruned_before_the_server_loads_it_is_skipped_not_fenced(serve
     the update says it was superseded, and the next one loads. A path that is simply missing is
     still a failure that fences (the random-kill test once lost its rollout side to the former)."""
     publisher = DiskWeightPublisher(tmp_path / "weights", keep_last=1)
-    state = load_file(servers.weights)
+    state = load_file(os.path.join(servers.weights, "model.safetensors"))
     msgs = [publisher.publish(state, v) for v in (20, 21, 22)]  # v20 and v21 pruned behind v22
 
     async def main():
@@ -232,7 +256,7 @@ def test_a_version_pruned_before_the_server_loads_it_is_skipped_not_fenced(serve
             loaded = await update_servers(pool, receiver, msgs[2], 10.0)
             assert loaded["sync/servers_loaded"] == 1 and loaded["sync/servers_superseded"] == 0
             assert pool.stats()["pool/server0/version"] == 22
-            nowhere = {"version": 23, "path": str(tmp_path / "nowhere" / weights_filename(23))}
+            nowhere = {"version": 23, "path": str(version_dir(tmp_path / "nowhere", 23))}
             with pytest.raises(WeightUpdateError, match="v23: no generation server loaded it"):
                 await update_servers(pool, receiver, nowhere, 10.0)
             assert pool.stats()["pool/fenced_total"] == 1

@@ -1,132 +1,35 @@
-"""The SGLang contract: one set of tests that drives the embedded server and a real SGLang server alike.
+"""The SGLang contract: one set of tests that states SGLang 0.5.23's behaviour and holds both servers to it.
 
-Each contract test runs against every backend: `embedded` (always: a tiny model served for
-real on a free port) and `sglang` (`@pytest.mark.gpu`; it also needs SGLang importable and
-ASYNC_RL_SGLANG_MODEL naming a Hugging Face checkpoint directory, else it is skipped with
-the reason). Covered: the /generate answer's shape (finish_reason objects, [logprob,
-token_id, text] log-probs, weight_version, prompt/completion counts), the frontend's
-null-filled sampling_params, n > 1 as a list, and a weight update under each pause mode
-through `HttpGenerationClient`: `retract` (requests keep their tokens, per-token versions
+Each test runs against every backend (`sglang_targets.target`): `embedded` (always: a tiny
+model served for real on a free port) and `sglang` (`@pytest.mark.gpu`; it also needs SGLang
+importable and ASYNC_RL_SGLANG_MODEL naming a Hugging Face checkpoint directory, else it is
+skipped with the reason). Covered: the /generate answer's shape (finish_reason objects,
+[logprob, token_id, text] log-probs, weight_version, prompt/completion counts), the
+frontend's null-filled sampling_params, n > 1 as a list, and a weight update under each pause
+mode through `HttpGenerationClient`: `retract` (requests keep their tokens, per-token versions
 split at the update), `abort` (partial answers at once; the client re-submits and joins the
 pieces) and `in_place` (nothing steps while paused). On the embedded server the continued
-sequences must equal uninterrupted ones token for token; on SGLang (GPU numerics, a batch
-that changes) only their shape is checked. Tests after the contract are embedded-only:
-what the engine refuses (naming the field), penalties and the log-prob rule over HTTP,
-text trimming, /flush_cache.
+sequences must equal uninterrupted ones token for token; on SGLang (GPU numerics, a batch that
+changes) only their shape is checked. Then SGLang's rules, each naming the source that makes it
+(and held to that line by tests/unit/test_sglang_source_rules.py): no flush under an `in_place`
+pause with requests running, /health silent while paused, `weight_version` a string, prefix
+aborts, the begin/end session around distributed updates, and /update_weights_from_disk taking
+a directory that /model_info then reports. The embedded server's own refusals are in
+test_generate_route.py.
 """
 
 import asyncio
-import importlib.util
-import json
+import glob
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from async_rl.config import EngineConfig, ModelConfig, load_config
-from async_rl.engine.client import HttpGenerationClient
-from async_rl.engine.sglang_api import generate_body
-from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
-from async_rl.types import SamplingParams
-from launch.serve import BackgroundServer
-
-TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "Hello, world!"]
-LONG = 160  # tokens per request in the interruption tests: long enough to be paused mid-way
-
-
-@dataclass
-class Target:
-    url: str
-    weights: str  # what /update_weights_from_disk loads: the weights being served, so sequences continue
-    prompts: list[list[int]]
-    exact: bool  # continued sequences equal uninterrupted ones token for token
-    version: int = 0
-    model: Any = None
-    extra: dict = field(default_factory=dict)
-
-
-def _sglang_skip_reason() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return "SGLang is not installed"
-    if not os.environ.get("ASYNC_RL_SGLANG_MODEL"):
-        return "set ASYNC_RL_SGLANG_MODEL to a Hugging Face checkpoint directory SGLang can serve"
-    try:
-        import sglang  # noqa: F401  (the server side needs the whole package, triton included)
-    except Exception as exc:
-        return f"sglang does not import here: {type(exc).__name__}: {exc}"
-    return None
-
-
-@pytest.fixture(scope="module", params=["embedded", pytest.param("sglang", marks=pytest.mark.gpu)])
-def target(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "embedded":
-        torch.set_num_threads(1)
-        tok = build_tiny_tokenizer(PRINTABLE)
-        model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
-        weights = tmp / "policy.safetensors"
-        save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
-        bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
-        url = bg.start()
-        yield Target(url, str(weights), [tok.encode(t) for t in TEXTS], exact=True, model=model,
-                     extra={"tok": tok, "engine": bg.engine})
-        bg.stop()
-        return
-    reason = _sglang_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    from transformers import AutoTokenizer
-
-    from launch.procs import stop_all
-    from launch.sglang_server import start_sglang
-
-    path = os.environ["ASYNC_RL_SGLANG_MODEL"]
-    cfg = load_config(None, [f"model.name={path}", f"run_dir={tmp}", "engine.port=0"])
-    proc, url = start_sglang(cfg, 0)
-    tok = AutoTokenizer.from_pretrained(path)
-    try:
-        yield Target(url, path, [tok.encode(t) for t in TEXTS], exact=False)
-    finally:
-        stop_all([proc])
-
-
-def run(target: Target, body, pause_mode: str = "retract"):
-    async def main():
-        client = HttpGenerationClient(target.url, timeout_s=120, pause_mode=pause_mode)
-        try:
-            return await body(client)
-        finally:
-            await client.close()
-    return asyncio.run(main())
-
-
-def greedy(n: int = LONG) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-async def streamed_until(url: str, body: dict, tokens: int) -> tuple[asyncio.Event, asyncio.Task]:
-    """Stream `body`; the event is set once an answer chunk holds `tokens` output tokens (or it ended)."""
-    reached = asyncio.Event()
-
-    async def consume():
-        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
-            async with http.stream("POST", "/generate", json={**body, "stream": True}) as resp:
-                last = None
-                async for line in resp.aiter_lines():
-                    if line.startswith("data:") and line.strip() != "data: [DONE]":
-                        last = json.loads(line[5:])
-                        if len(last["output_ids"]) >= tokens:
-                            reached.set()
-                reached.set()
-                return last
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(reached.wait(), 60)
-    return reached, task
+from async_rl.engine.sglang_api import generate_body, piece_rid
+from async_rl.rollout.server_pool import ServerPool
+from async_rl.types import new_id
+from sglang_targets import LONG, Target, greedy, run, streamed_until
 
 
 # --------------------------------------------------------------------------- the contract
@@ -208,6 +111,48 @@ def test_weight_update_under_each_pause_mode(target, mode):
         assert after - before >= len(outs), "every request in flight was retracted once"
 
 
+def test_an_update_asking_to_flush_under_an_in_place_pause_with_requests_running_fails(target):
+    """SGLang refuses to flush the cache while requests run (scheduler.py, flush_cache: `is_fully_idle`), and an
+    update that asks for the flush then fails, after loading (scheduler_components/weight_updater.py,
+    flush_cache_after_weight_update). Under `in_place` the paused requests keep running, so only
+    `flush_cache: false` updates; the client sends that under its in_place pauses."""
+    async def body(c):
+        _, probe = await streamed_until(target.url, generate_body(target.prompts[2], greedy(), "in-place-probe"), 5)
+        await c.pause_generation("in_place")
+        try:
+            update = {"model_path": target.weights, "weight_version": str(target.version + 1)}
+            flushing = await c._http.post("/update_weights_from_disk", json=update)
+            kept = await c._http.post("/update_weights_from_disk", json={**update, "flush_cache": False})
+        finally:
+            await c.continue_generation()
+        await probe
+        return flushing, kept
+
+    flushing, kept = run(target, body)
+    target.version += 1  # SGLang loaded it even though the first call failed
+    assert flushing.status_code == 400 and "flush" in flushing.text.lower(), flushing.text
+    assert kept.status_code == 200, kept.text
+
+
+def test_health_gets_no_answer_while_paused_but_model_info_does(target):
+    """SGLang's /health generates one token (sglang/srt/entrypoints/http_server.py, health_generate, with
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on, srt/environ.py), which waits while generation is paused;
+    /model_info answers at once. So a client that paused a server probes /model_info (see test_server_pool)."""
+    async def body(c):
+        await c.pause_generation("retract")
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                await c._http.get("/health", timeout=2.0)
+            assert await c.health()  # the client asks /model_info while it holds the pause
+            return (await c._http.get("/model_info", timeout=2.0)).status_code
+        finally:
+            await c.continue_generation()
+
+    assert run(target, body) == 200
+    with httpx.Client(base_url=target.url, timeout=30, trust_env=False) as http:
+        assert http.get("/health").status_code == 200
+
+
 def test_pause_in_abort_mode_answers_at_once_with_the_partial_output(target):
     async def body(c):
         pending = asyncio.create_task(c._request("POST", "/generate", generate_body(target.prompts[2], greedy(),
@@ -231,94 +176,77 @@ def test_pause_in_abort_mode_answers_at_once_with_the_partial_output(target):
     assert held.finish_reason == "length" and len(held.output_ids) == 4
 
 
-# --------------------------------------------------------------------------- embedded engine only
-@pytest.fixture(scope="module")
-def emb(tmp_path_factory):
-    torch.set_num_threads(1)
-    tok = build_tiny_tokenizer(PRINTABLE)
-    model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
-    bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny")
-    url = bg.start()
-    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
-        yield Target(url, "", [tok.encode(t) for t in TEXTS], exact=True, model=model,
-                     extra={"tok": tok, "http": http, "engine": bg.engine})
-    bg.stop()
+@pytest.mark.parametrize("route", ["/update_weights_from_disk", "/update_weights_from_distributed"])
+def test_weight_version_must_be_a_string(target, route):
+    """SGLang declares `weight_version: Optional[str]` in every update request (sglang/srt/managers/io_struct.py,
+    UpdateWeightFromDiskReqInput, UpdateWeightsFromDistributedReqInput) and pydantic v2 does not turn an int
+    into a str: an int is a 400 before anything runs. The client sends a string (checked against SGLang's
+    own request models in test_sglang_requests.py)."""
+    body = {"model_path": target.weights} if route.endswith("disk") else {"names": [], "dtypes": [], "shapes": []}
+    with httpx.Client(base_url=target.url, timeout=60, trust_env=False) as http:
+        resp = http.post(route, json={**body, "weight_version": target.version + 1})
+    # pydantic's own words, which both servers pass on (SGLang in str(RequestValidationError))
+    assert resp.status_code == 400 and "weight_version" in resp.text and "valid string" in resp.text, resp.text
 
 
-REFUSED = [
-    ({"sampling_params": {"regex": "[0-9]+"}}, "sampling_params.regex"),
-    ({"sampling_params": {"json_schema": '{"type": "object"}'}}, "sampling_params.json_schema"),
-    ({"sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex"),
-    ({"sampling_params": {"ebnf": "root ::= 'a'"}}, "sampling_params.ebnf"),
-    ({"sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
-    ({"sampling_params": {"frequency_penalty": 3.0}}, "sampling_params.frequency_penalty"),
-    ({"sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "sampling_params.min_new_tokens"),
-    ({"sampling_params": {"n": 2}, "stream": True}, "sampling_params.n"),
-    ({"sampling_params": {"logit_bias": {"99999": 1.0}}}, "sampling_params.logit_bias"),
-    ({"sampling_params": {"sampling_seed": 1, "seed": 2}}, "sampling_params.sampling_seed"),
-    ({"image_data": "http://x/cat.png"}, "image_data"),
-    ({"lora_path": "adapter"}, "lora_path"),
-    ({"logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
-    ({"wat": 1}, "wat"),
-]
+def test_abort_request_aborts_every_rid_it_prefixes_so_pieces_never_share_one(target):
+    """SGLang aborts every request whose rid starts with the given one (sglang/srt/managers/scheduler.py,
+    Scheduler.abort_request: `req.rid.startswith(recv_req.rid)`). The names failover gave a request's
+    pieces (the rid, then "<rid>-m1") let the abort of a first piece kill the moved one; `piece_rid`'s
+    cannot prefix each other."""
+    rid = new_id()
+    old_first, old_moved = rid, f"{rid}-m1"
+    first, moved = piece_rid(rid, 0), piece_rid(rid, 1)
+
+    async def main():
+        tasks = {}
+        for name in (old_first, old_moved, first, moved):
+            _, tasks[name] = await streamed_until(target.url, generate_body(target.prompts[0], greedy(), name), 3)
+        async with httpx.AsyncClient(base_url=target.url, timeout=60, trust_env=False) as http:
+            for name in (old_first, first):
+                assert (await http.post("/abort_request", json={"rid": name})).status_code == 200
+        return {name: (await task)["meta_info"]["finish_reason"]["type"] for name, task in tasks.items()}
+
+    ends = asyncio.run(main())
+    assert ends[old_first] == "abort" and ends[old_moved] == "abort", ends  # SGLang's rule, on both servers
+    assert ends[first] == "abort" and ends[moved] == "length", ends  # a piece's abort stays with that piece
 
 
-@pytest.mark.parametrize("extra,field", REFUSED, ids=[f for _, f in REFUSED])
-def test_what_the_engine_cannot_honour_is_refused_naming_it(emb, extra, field):
-    body = {"input_ids": emb.prompts[0], **extra}
-    body["sampling_params"] = {"max_new_tokens": 2, **extra.get("sampling_params", {})}
-    resp = emb.extra["http"].post("/generate", json=body)
-    assert resp.status_code == 400, resp.text
-    assert resp.json()["error"]["message"].startswith(field), resp.text
-    ok = emb.extra["http"].post("/generate", json={"input_ids": emb.prompts[0], "sampling_params": {"max_new_tokens": 2}})
-    assert ok.status_code == 200
+def test_a_distributed_update_runs_only_inside_a_weight_update_session(target):
+    """SGLang 0.5.23 (sglang/srt/managers/scheduler_components/weight_updater.py, SchedulerWeightUpdaterManager):
+    /update_weights_from_distributed outside /begin_weight_update ... /end_weight_update is refused, and so
+    are a second begin and an end without a begin; each a 400 with success false. (0.5.17 had no session.)"""
+    update = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "no_such_group",
+              "weight_version": str(target.version + 1)}
+    with httpx.Client(base_url=target.url, timeout=60, trust_env=False) as http:
+        outside = http.post("/update_weights_from_distributed", json=update)
+        assert outside.status_code == 400 and "begin_weight_update" in outside.text, outside.text
+        assert http.post("/begin_weight_update", json={}).status_code == 200
+        again = http.post("/begin_weight_update", json={})
+        assert again.status_code == 400 and "already open" in again.text, again.text
+        inside = http.post("/update_weights_from_distributed", json=update)  # past the session: the group is unknown
+        assert inside.status_code == 400 and "begin_weight_update" not in inside.text, inside.text
+        assert http.post("/end_weight_update", json={}).status_code == 200
+        closed = http.post("/end_weight_update", json={})
+        assert closed.status_code == 400 and "no weight-update session" in closed.text, closed.text
 
 
-def _forward_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+def test_update_from_disk_takes_a_directory_which_is_then_the_model_it_reports(target):
+    """SGLang loads a local checkpoint only from a directory (sglang/srt/model_loader/loader.py,
+    `os.path.isdir` in DefaultModelLoader._prepare_weights; a file path goes to the hub and fails), and
+    reports the directory it loaded as `model_path` afterwards (tokenizer_manager._update_model_path_info):
+    the rollout side's model check must still pass on such a server (a restarted rollout side meets one)."""
+    a_file = sorted(glob.glob(os.path.join(target.weights, "*.safetensors")))[0]
 
+    async def body(c):
+        with pytest.raises(ValueError, match="update_weights_from_disk"):
+            await c.update_weights_from_disk(a_file, target.version + 1)
+        await c.update_weights_from_disk(target.weights, target.version + 1)
+        info = await c.get_model_info()
+        pool = ServerPool([c])
+        await pool.check_model(model_name=target.name, min_vocab=1)
+        return info
 
-def test_penalties_shape_the_draw_but_log_probs_stay_the_policys(emb):
-    prompt, http = emb.prompts[3], emb.extra["http"]
-    sp = {"max_new_tokens": 40, "temperature": 0.8, "ignore_eos": True, "sampling_seed": 11}
-    plain = http.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": sp}).json()
-    pen = http.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
-        **sp, "presence_penalty": 2.0, "frequency_penalty": 2.0, "repetition_penalty": 2.0}}).json()
-    ids = pen["output_ids"]
-    assert len(set(ids)) > len(set(plain["output_ids"])), "penalties make the draw avoid repeats"
-    got = torch.tensor([e[0] for e in pen["meta_info"]["output_token_logprobs"]])
-    torch.testing.assert_close(got, _forward_logprobs(emb.model, prompt, ids, 0.8), atol=1e-4, rtol=0)
-    # min_new_tokens: the stop token (EOS) cannot come before it; logit_bias forces a token
-    eos = sorted(emb.extra["engine"].engine.eos_token_ids)[0]
-    forced = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0.0, "logit_bias": {str(eos): 100.0}, "min_new_tokens": 3}}).json()
-    assert forced["output_ids"][3] == eos and eos not in forced["output_ids"][:3] and len(forced["output_ids"]) == 4
-    assert forced["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
-
-
-def test_text_trimming_prefill_only_and_flush_cache(emb):
-    http, tok, prompt = emb.extra["http"], emb.extra["tok"], emb.prompts[0]
-    free = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}).json()
-    stop = tok.decode(free["output_ids"][3:5])
-    cut = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}}).json()
-    kept = http.post("/generate", json={"input_ids": prompt, "sampling_params": {
-        "max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stop": [stop], "no_stop_trim": True}}).json()
-    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert cut["output_ids"] == kept["output_ids"] and kept["text"].endswith(stop) and not cut["text"].endswith(stop)
-    empty = http.post("/generate", json={"text": "1+1=", "sampling_params": {"max_new_tokens": 0}}).json()
-    assert empty["output_ids"] == [] and empty["meta_info"]["prompt_tokens"] == len(tok.encode("1+1="))
-    assert http.post("/flush_cache").status_code == 200
-
-    async def flush_while_running():
-        async with httpx.AsyncClient(base_url=emb.url, timeout=60, trust_env=False) as c:
-            _, probe = await streamed_until(emb.url, generate_body(prompt, greedy(), "flushed"), 5)
-            refused = await c.get("/flush_cache")
-            await c.post("/abort_request", json={"rid": "flushed"})
-            await probe
-            return refused.status_code
-
-    assert asyncio.run(flush_while_running()) == 400
+    info = run(target, body)
+    target.version += 1
+    assert info["model_path"] == target.weights and str(info["weight_version"]) == str(target.version)

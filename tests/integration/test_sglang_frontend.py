@@ -4,9 +4,11 @@ The frontend sends every SGLang sampling parameter (unset ones as null or empty 
 and reads SGLang's answer shapes; before the server accepted SGLang's full
 `sampling_params`, its first call failed with 400 "sampling_params.frequency_penalty:
 unknown field". Each test runs the real frontend in a child process against a tiny model
-served for real. Skipped (reason printed) where sglang is not installed; where `import
-sglang` fails for a GPU-only dependency (its package `__init__` imports triton, which the
-frontend never uses), the child loads the frontend subpackage `sglang.lang` alone and says so.
+served for real (with SGLang's default streaming shape, the output so far, which the frontend
+reads). `make install` installs SGLang's source without its GPU stack, so this runs in CI;
+skipped (reason printed) where sglang is not installed. Where `import sglang` fails for a
+GPU-only dependency (its package `__init__` imports triton, which the frontend never uses),
+the child loads the frontend subpackage `sglang.lang` alone and says so.
 """
 
 import importlib.util
@@ -22,8 +24,8 @@ from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from launch.serve import BackgroundServer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                                reason="sglang is not installed (pip install --no-deps sglang==0.5.23 plus "
-                                       "aiohttp, msgspec, orjson, pybase64, IPython)")
+                                reason="sglang is not installed (make install: pip install --no-deps sglang==0.5.23 "
+                                       "and the sglang-contract extra: aiohttp, msgspec, pybase64, ipython)")
 
 DRIVER = r'''
 import importlib.util, json, sys, types

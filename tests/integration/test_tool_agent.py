@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from async_rl.agent import AgentContext, as_trajectory, build_agent_loop, register_agent_loop
 from async_rl.agent.interactions.base import BaseInteraction, InteractionTurn
@@ -33,6 +32,7 @@ from async_rl.transport.codec import decode, encode
 from async_rl.types import Sample, SamplingParams, Trajectory
 from launch.serve import BackgroundServer
 from scripted_model import build_scripted_checkpoint
+from served_weights import save_weights_dir
 
 SLEEP_A = '{"name": "sleep", "arguments": {"seconds": 0.5}}'
 SLEEP_B = '{"name": "sleep", "arguments": {"seconds": 0.50}}'
@@ -321,8 +321,7 @@ def test_response_limit_cuts_tokens_and_mask_together(forever_srv, budget, sampl
 
 
 def test_weight_update_while_a_turn_is_in_flight(forever_srv, tmp_path):
-    weights = tmp_path / "same.safetensors"
-    save_file({k: v.detach().clone().contiguous() for k, v in forever_srv.model.state_dict().items()}, str(weights))
+    weights = save_weights_dir(forever_srv.model, tmp_path / "same")
     seen = {}
 
     async def update(task):
@@ -335,7 +334,7 @@ def test_weight_update_while_a_turn_is_in_flight(forever_srv, tmp_path):
                 await asyncio.sleep(0.002)
             await control.pause_generation()
             seen["in_flight"] = (await control.metrics())["engine/in_flight"]
-            await control.update_weights_from_disk(str(weights), v + 1)
+            await control.update_weights_from_disk(weights, v + 1)
             await control.continue_generation()
             return v
         finally:

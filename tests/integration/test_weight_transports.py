@@ -6,8 +6,9 @@ trainer's. While it streams into a slow receiver, the bytes the trainer has sent
 rollout side has not acknowledged (everything the rollout side can hold, wherever) stay
 within one bucket; a stalled rollout side fails the publish at the deadline, and one that
 leaves mid-stream does not hold the trainer up. disk: `/update_weights_from_disk` swaps
-a file (or a directory of shards) in from a memory map, refuses a version going backwards
-and keeps the old weights on any error. dist: a gloo group between the publisher (rank 0) and two served engines,
+a version's directory (or a checkpoint directory of shards) in from a memory map, refuses
+a version going backwards or a file path (SGLang loads directories) and keeps the old
+weights on any error. dist: a gloo group between the publisher (rank 0) and two served engines,
 driven through SGLang's routes (begin, one flattened bucket per request, end): both get
 bit-identical weights, a second version reuses the group, a server that never joins fails
 the update at the deadline with a clear error (the old weights stay), and the next version
@@ -232,8 +233,9 @@ def test_update_weights_from_disk_swaps_in_place_and_refuses_going_backwards(ser
     names = sorted(n for n in sharded if n != "lm_head.weight")
     for i, part in enumerate((names[::2], names[1::2])):
         save_file({n: sharded[n].contiguous() for n in part}, str(shards / f"model-0000{i + 1}-of-00002.safetensors"))
-    garbage = tmp_path / "garbage.safetensors"
-    garbage.write_bytes(b"not a safetensors file at all")
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file at all")
 
     async def drive():
         http = HttpGenerationClient(url)
@@ -243,7 +245,8 @@ def test_update_weights_from_disk_swaps_in_place_and_refuses_going_backwards(ser
         for bad, older, error in ((path, version, f"weight_version: {version} is not newer than the version in use"),
                                   (path, version - 1, "a version going backwards is refused"),
                                   (str(garbage), version + 1, "model_path: cannot load"),
-                                  (str(tmp_path / "nope"), version + 1, "model_path: .* does not exist")):
+                                  (str(tmp_path / "nope"), version + 1, "model_path: .* does not exist"),
+                                  (str(shards / "model-00001-of-00002.safetensors"), version + 1, "is a file")):
             with pytest.raises(ValueError, match=error):
                 await http.update_weights_from_disk(bad, older)
             _assert_identical(engine, state)  # the old weights stay

@@ -51,3 +51,41 @@ def test_layers():
             if imp not in allowed:
                 problems.append(f"{rel} imports async_rl.{imp}" if imp != "launch" else f"{rel} imports launch")
     assert not problems, "upward imports:\n" + "\n".join(problems)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """async_rl module -> the async_rl modules it imports, anywhere in the file (function-level too)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (ROOT / "async_rl").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps |= {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_circles():
+    """STYLE.md: a module that serves several sits below them; the one that wires them imports them, never
+    the other way round. A circle hidden in a function-level import counts too."""
+    graph, circles, state = _module_graph(), [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                circles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, "import circles:\n" + "\n".join(circles)

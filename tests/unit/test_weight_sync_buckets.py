@@ -1,8 +1,8 @@
-"""Streamed weights: buckets of a version's byte layout, staged into a file and checked on the way.
+"""Streamed weights: buckets of a version's byte layout, staged into a version directory and checked on the way.
 
 A version streamed through the zmq publisher into the receiver (here without a socket: the
 publisher's `send` hands each message, its parts attached, to the receiver) becomes a
-safetensors file that loads into a fresh model with identical outputs, whatever the bucket
+directory (`vNNNNNN/model.safetensors`) that loads into a fresh model with identical outputs, whatever the bucket
 size; a bucket (or a chunk of one) that is truncated, corrupted, repeated, out of order or
 missing, a manifest that goes backwards or does not hold together rejects its version with
 one error naming the problem, and nothing is left behind.
@@ -15,9 +15,10 @@ import torch
 
 from async_rl.config import ModelConfig
 from async_rl.models import build_tiny_tokenizer, load_model
-from async_rl.weight_sync.disk import load_weights, superseded, weights_filename, weights_version
+from async_rl.weight_sync.disk import load_weights, weights_version
 from async_rl.weight_sync.layout import WeightLayout, crc32
 from async_rl.weight_sync.staging import BucketError, StagedFile, WeightsSuperseded, WeightSyncError, map_weights
+from async_rl.weight_sync.versions import WEIGHTS_FILE, superseded, version_dir
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver, chunk_bytes_for
 
 ALPHABET = "0123456789+= "
@@ -125,7 +126,7 @@ def test_version_going_backwards_is_rejected(trained, tmp_path):
     receiver, commit, _ = _stream(trained.state_dict(), 7, 1 << 20, tmp_path)
     asyncio.run(receiver.prepare(commit))
     receiver, old, _ = _stream(trained.state_dict(), 6, 1 << 20, tmp_path, receiver=receiver)
-    with pytest.raises(WeightSyncError, match="v6 is not newer than v7"):
+    with pytest.raises(WeightSyncError, match=r"manifest.version: 6 is not newer than the version already accepted \(7\)"):
         asyncio.run(receiver.prepare(old))
     publisher = ZmqWeightPublisher(lambda c, w, **kw: None, 1 << 20, deadline_s=5)
     publisher.publish({"w": torch.ones(2)}, 3)
@@ -181,18 +182,22 @@ def test_commit_without_any_bucket_and_a_superseded_version(trained, tmp_path):
         asyncio.run(receiver.prepare(commit4))
     path5 = asyncio.run(receiver.prepare(commit5))
     assert weights_version(path5) == 5 and not receiver.superseded(path5, 5)
-    assert receiver.superseded(str(tmp_path / weights_filename(4)), 4)  # gone, and v5 is beside it
+    assert receiver.superseded(str(version_dir(tmp_path, 4)), 4)  # gone, and v5 is beside it
 
 
-def test_a_file_gone_is_superseded_only_with_a_newer_version_beside_it(tmp_path):
+def test_a_version_gone_is_superseded_only_with_a_newer_version_beside_it(tmp_path):
     for v in (3, 5):
-        (tmp_path / weights_filename(v)).write_bytes(b"x")
-    assert not superseded(tmp_path / weights_filename(3), 3)  # still there
-    assert superseded(tmp_path / weights_filename(2), 2) and superseded(tmp_path / weights_filename(4), 4)
-    assert not superseded(tmp_path / weights_filename(6), 6)  # nothing newer: missing, not superseded
-    assert not superseded(tmp_path / "elsewhere" / weights_filename(1), 1)  # a directory this side does not see
-    (tmp_path / f".{weights_filename(7)}.partial").write_bytes(b"x")  # v7 being written over v6's old file
-    assert superseded(tmp_path / weights_filename(6), 6)
+        version_dir(tmp_path, v).mkdir()
+        (version_dir(tmp_path, v) / WEIGHTS_FILE).write_bytes(b"x")
+    assert not superseded(version_dir(tmp_path, 3), 3)  # still there
+    assert superseded(version_dir(tmp_path, 2), 2) and superseded(version_dir(tmp_path, 4), 4)
+    assert not superseded(version_dir(tmp_path, 6), 6)  # nothing newer: missing, not superseded
+    assert not superseded(version_dir(tmp_path / "elsewhere", 1), 1)  # a directory this side does not see
+    (tmp_path / ".v000007.partial").mkdir()  # v7 being written over v6's old file
+    version_dir(tmp_path, 6).mkdir()  # v6's directory, its weights file already taken over
+    assert superseded(version_dir(tmp_path, 6), 6)
+    (tmp_path / "v000009.replaced").mkdir()  # not a version: nothing newer than v6 but v7
+    assert not superseded(version_dir(tmp_path, 8), 8)
 
 
 def test_publisher_deadline_names_the_config_key():
