@@ -6,7 +6,6 @@ dashes, `arg_utils._field_to_cli_name`). Those modules import triton, so they ar
 """
 
 import ast
-from types import SimpleNamespace
 
 import pytest
 
@@ -26,9 +25,8 @@ def test_api_key_reaches_sglang_and_is_read_from_the_environment(monkeypatch):
 def _everything():
     cfg = load_config(None, ["engine.backend=sglang", "model.name=/models/x", "model.dtype=bfloat16",
                              "engine.api_key=k", "engine.incremental_streaming_output=true",
-                             "engine.deterministic_inference=true"])
-    # engine.gpu_memory_fraction comes with GPU placement; read where the config has it
-    cfg.engine = SimpleNamespace(**vars(cfg.engine), gpu_memory_fraction=0.45)
+                             "engine.deterministic_inference=true", "engine.gpu_memory_fraction=0.45",
+                             "engine.tp_size=2"])
     return sglang_command(cfg, 30000)
 
 
