@@ -13,6 +13,7 @@ Also: the world-size checks, and a follower rank that leaves when rank 0 dies.
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import time
@@ -27,6 +28,7 @@ from async_rl.config import Config, ModelConfig, TrainerConfig
 from async_rl.placement import gpus_here, place, rank_device
 from async_rl.trainer.backends import RankInfo, get_backend
 from async_rl.trainer.checkpoint import load_checkpoint
+from async_rl.transport.codec import decode
 from async_rl.types import Trajectory
 from launch.common import free_port
 from launch.trainer_ranks import follower_main, lead
@@ -68,11 +70,16 @@ def _groups(step: int) -> list[list[Trajectory]]:
     return groups
 
 
+def step(trainer, rank: int, groups: list[list[Trajectory]]) -> dict:
+    """One train step as the launch layer drives it: rank 0 gets the batch, the others their rows from it."""
+    return trainer.train_step(groups) if rank == 0 else trainer.follow_train_step()
+
+
 def _train(cfg: Config, rank: RankInfo) -> tuple[list[dict], dict[str, torch.Tensor]]:
     device = rank_device(cfg.trainer.device, rank.rank)  # as the launch layer gives each rank its GPU
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     trainer = get_backend(cfg.trainer.backend).build(cfg, rank)
-    stats = [trainer.train_step(_groups(s)) for s in range(STEPS)]
+    stats = [step(trainer, rank.rank, _groups(s)) for s in range(STEPS)]
     weights = trainer.state_dict()
     return stats, weights, trainer
 
@@ -180,19 +187,45 @@ def test_world_size_beyond_this_machine_is_one_clear_error():
 
 
 # ---------------------------------------------------------------------------------------- lock step
+class _Frames:
+    """The store of rank 0's Leader, recording the size and keys of every command frame it writes."""
+
+    def __init__(self, store):
+        self.store, self.frames = store, []
+
+    def set(self, key, value):
+        self.frames.append((len(value), sorted(decode(value))))
+        return self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 def _leader_then_vanish(cfg: Config, port: int, ready: str) -> None:
     """Rank 0 that trains a step, then one with nothing fresh enough (no collective), then sits until killed."""
     torch.set_num_threads(1)
     trainer = lead(cfg, 2, "127.0.0.1", port)
+    trainer.store = _Frames(trainer.store)
     stats = trainer.train_step(_groups(0))
     assert trainer.train_step(_groups(-10))["train/dropped_stale"] == 16  # the follower must not lose count
     assert trainer.state_dict()  # rank 0 gets the full weights; the follower joined the gather
     assert 1 not in trainer._unread  # a frame every follower has read is deleted from the store
-    Path(ready).write_text(str(stats["train/loss"]))
+    Path(ready).write_text(json.dumps({"loss": stats["train/loss"], "frames": trainer.store.frames}))
     time.sleep(600)
 
 
-def _follower(cfg: Config, port: int, errors) -> None:
+def _follower(cfg: Config, port: int, errors, received: str) -> None:
+    """Rank 1 as a launcher runs it, recording the rows each train step brought it over the process group."""
+    from async_rl.trainer.backends import spmd
+
+    def recording(device, _recv=spmd.recv_shares):
+        shares = _recv(device)
+        rows = None if shares is None else [[int(b.batch_size[0]) for b in s.micros] for s in shares]
+        with open(received, "a") as f:
+            f.write(json.dumps(rows) + "\n")
+        return shares
+
+    spmd.recv_shares = recording
     try:
         follower_main(cfg, 1, 2, "127.0.0.1", port)
     except BaseException as exc:
@@ -201,12 +234,13 @@ def _follower(cfg: Config, port: int, errors) -> None:
 
 
 def test_follower_leaves_when_rank0_dies(tmp_path):
+    """Also: a step's batch reaches the follower over the process group (its rows only), not the store."""
     cfg = _fsdp(_cfg(micro_batch_tokens=4096))
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port, ready = free_port(), tmp_path / "ready"
+    port, ready, received = free_port(), tmp_path / "ready", tmp_path / "received.jsonl"
     leader = ctx.Process(target=_leader_then_vanish, args=(cfg, port, str(ready)))
-    follower = ctx.Process(target=_follower, args=(cfg, port, errors))
+    follower = ctx.Process(target=_follower, args=(cfg, port, errors, str(received)))
     leader.start()
     follower.start()
     try:
@@ -225,6 +259,12 @@ def test_follower_leaves_when_rank0_dies(tmp_path):
         for p in (leader, follower):
             if p.is_alive():
                 p.kill()
+    frames = json.loads(ready.read_text())["frames"]
+    assert [keys for _, keys in frames] == [["op"], ["op"], ["op"]]  # train_step x2, state_dict: names only
+    assert max(size for size, _ in frames) < 64, frames
+    # step 0: one micro-batch of 16 rows, rank 1 holds rows 1, 3, ..., 15; step 1 trained nothing
+    got = [json.loads(line) for line in received.read_text().splitlines()]
+    assert got == [[[8]], None], got
 
 
 # ---------------------------------------------------------------------------------------- CUDA (NCCL)

@@ -1,7 +1,7 @@
 """The `fsdp` trainer backend: PPO on FSDP2 (`fully_shard`) across `trainer.world_size` processes.
 
     trainer = build(cfg, RankInfo(rank, world_size, store))   # on every rank; joins the process group
-    stats = trainer.train_step(groups)                         # every rank, the same groups
+    stats = trainer.train_step(groups)                         # rank 0; the others: follow_train_step()
     weights = trainer.state_dict()                             # every rank; full on rank 0, {} elsewhere
     meta = trainer.load_checkpoint(path)                       # every rank reads its own shard of the files
 
@@ -9,13 +9,13 @@ Each decoder layer is one FSDP unit and the rest (embedding, final norm, the tie
 is the root unit. The root is a small module whose forward is the whole log-prob
 computation (`token_logprobs`), so every weight is gathered inside an FSDP forward.
 
-Data parallel: every rank builds the same minibatches and micro-batches as the single
-process (same seed, same batch), then runs rows r, r+W, r+2W, ... of each micro-batch.
-The loss of a micro-batch is a token mean weighted by its share of the minibatch's
-tokens, so a token sum over the minibatch divided by its token count; FSDP sums the
-ranks' gradients (divide factor 1), which gives exactly the single-process gradient.
-Every rank runs every micro-batch's forward and backward, an empty share as a
-zero-weight pass over one token, so the collectives stay in lock step.
+Data parallel: rank 0 builds the minibatches and micro-batches the single process would
+(same seed, same batch) and sends rank r rows r, r+W, r+2W, ... of each micro-batch over
+the process group (spmd.py). The loss of a micro-batch is a token mean weighted by its
+share of the minibatch's tokens, so a token sum over the minibatch divided by its token
+count; FSDP sums the ranks' gradients (divide factor 1), which gives exactly the
+single-process gradient. Every rank runs every micro-batch's forward and backward, an
+empty share as a zero-weight pass over one token, so the collectives stay in lock step.
 
 Device: gloo on CPU, NCCL on CUDA with each rank on the device its launcher placed it on
 (`trainer.device` of the config it builds with; async_rl/placement.py).
@@ -41,9 +41,10 @@ from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict
 from async_rl.trainer.backends.scatter import load_sharded
+from async_rl.trainer.backends.spmd import SPMDTrainer
 from async_rl.trainer.batching import Batch, token_logprobs
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
-from async_rl.trainer.trainer import PPOTrainer, _StatsAccumulator
+from async_rl.trainer.trainer import score_mask
 from async_rl.utils.hardware import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -64,13 +65,17 @@ class LogprobModel(torch.nn.Module):
         return token_logprobs(self.lm, input_ids, attention_mask, self.temperature, score_mask=score_mask)
 
 
-class FSDPTrainer(PPOTrainer):
-    """PPOTrainer whose model is sharded over the default process group; see the module docstring."""
+class FSDPTrainer(SPMDTrainer):
+    """PPOTrainer whose model is sharded over the default process group; see the module docstring.
+    Every rank is a data-parallel rank of its own (rank 0 sends the others their rows: spmd.py)."""
 
     def __init__(self, root: LogprobModel, cfg: TrainerConfig, **kwargs: Any):
         super().__init__(root, cfg, temperature=root.temperature, **kwargs)
         self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.world_size = self.dp_size = dist.get_world_size()
+
+    def dp_rank_of(self, rank: int) -> int:
+        return rank
 
     # ------------------------------------------------------------------ backend interface
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -125,51 +130,13 @@ class FSDPTrainer(PPOTrainer):
 
     # ------------------------------------------------------------------ PPOTrainer seams
     def _logprobs(self, batch: Batch) -> torch.Tensor:
-        score = batch.loss_mask
-        if batch.num_tokens == 0:  # an empty share: score one real position so every weight sees a backward
-            score = torch.zeros_like(batch.loss_mask)
-            score[0, 0] = 1.0
         with self._autocast():
-            return self.model(batch.input_ids, batch.attention_mask, score)
-
-    def _local_share(self, micros: list[Batch]) -> list[Batch]:
-        """Rows rank, rank+W, ... of every non-empty micro-batch; row 0 unscored where that is nothing."""
-        out = []
-        for b in micros:
-            if not b.num_tokens:
-                continue
-            rows = list(range(self.rank, b.input_ids.shape[0], self.world_size))
-            if rows:
-                out.append(_rows(b, rows))
-            else:
-                idle = _rows(b, [0])
-                out.append(dataclasses.replace(idle, loss_mask=torch.zeros_like(idle.loss_mask)))
-        return out
-
-    def _stats_result(self, acc: _StatsAccumulator) -> dict[str, float]:
-        """Token-weighted sums and maxima of every rank combined; every rank ran the same stat keys."""
-        sums_keys, max_keys = sorted(acc.sums), sorted(acc.maxes)
-        sums = torch.tensor([acc.sums[k] for k in sums_keys] + [float(acc.tokens)], dtype=torch.float64,
-                            device=self.device)
-        maxes = torch.tensor([acc.maxes[k] for k in max_keys] or [0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        acc.sums = dict(zip(sums_keys, sums[:-1].tolist()))
-        acc.tokens = int(sums[-1].item())
-        acc.maxes = dict(zip(max_keys, maxes.tolist()))
-        return acc.result()
+            return self.model(batch.input_ids, batch.attention_mask, score_mask(batch))
 
     def _clip_grads(self) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-
-def _rows(b: Batch, rows: list[int]) -> Batch:
-    idx = torch.tensor(rows, device=b.input_ids.device)
-    return Batch(input_ids=b.input_ids[idx], attention_mask=b.attention_mask[idx], loss_mask=b.loss_mask[idx],
-                 behav_logprobs=b.behav_logprobs[idx], versions=b.versions[idx], advantages=b.advantages[idx],
-                 index=[b.index[r] for r in rows])
 
 
 # ---------------------------------------------------------------------- devices and build
