@@ -231,7 +231,7 @@ def local_followers(cfg: Config) -> Iterator[tuple[str, int, Callable[[], None] 
     own error line when one has died. The backend's device check runs first, so a world
     size this machine cannot hold fails before anything starts.
     """
-    get_backend(cfg.trainer.backend).check(cfg.trainer)
+    get_backend(cfg.trainer.backend).check(cfg)
     n = cfg.trainer.world_size
     if n == 1:
         yield "127.0.0.1", 0, None

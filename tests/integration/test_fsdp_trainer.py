@@ -176,14 +176,14 @@ def test_fsdp_two_processes_match_single_process(fsdp_runs, case):
 def test_world_size_beyond_this_machine_is_one_clear_error():
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match=rf"^trainer.world_size: {cores + 1} CPU ranks need at least {cores + 1} cores"):
-        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=cores + 1, device="cpu"))
+        get_backend("fsdp").check(Config(trainer=TrainerConfig(backend="fsdp", world_size=cores + 1, device="cpu")))
     with pytest.raises(ValueError, match=r"^trainer.world_size: the single backend runs one process, got 2"):
-        get_backend("single").check(TrainerConfig(world_size=2, device="cpu"))
+        get_backend("single").check(Config(trainer=TrainerConfig(world_size=2, device="cpu")))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"^trainer.device: 'cuda' asked for, but this machine has no CUDA"):
-            get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=2, device="cuda"))
-    with pytest.raises(ValueError, match=r"^trainer.backend: must be one of single\|fsdp, got 'megatron'"):
-        get_backend("megatron")
+            get_backend("fsdp").check(Config(trainer=TrainerConfig(backend="fsdp", world_size=2, device="cuda")))
+    with pytest.raises(ValueError, match=r"^trainer.backend: must be one of single\|fsdp\|megatron, got 'deepspeed'"):
+        get_backend("deepspeed")
 
 
 # ---------------------------------------------------------------------------------------- lock step

@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,16 +38,12 @@ from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict
 from async_rl.trainer.backends.scatter import load_sharded
-from async_rl.trainer.backends.spmd import SPMDTrainer
+from async_rl.trainer.backends.spmd import SPMDTrainer, check_ranks, join_group
 from async_rl.trainer.batching import Batch, token_logprobs
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
 from async_rl.trainer.trainer import score_mask
-from async_rl.utils.hardware import resolve_device
 
 logger = logging.getLogger(__name__)
-
-_GLOO_DRAIN_S = 0.05  # see FSDPTrainer.close
-
 
 class LogprobModel(torch.nn.Module):
     """FSDP root: token ids -> [B, L-1] log-probs of the scored tokens (see `token_logprobs`)."""
@@ -90,43 +83,9 @@ class FSDPTrainer(SPMDTrainer):
             save_checkpoint(path, weights, optim, step, extra, hf_export=self.hf_export)
         dist.barrier()
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Collective: weights, optimizer state, version and RNG of a checkpoint (full tensors, as this
-        backend or the single one writes it); returns its meta.
-
-        Every rank reads the files itself and keeps its own shard (see scatter.py), so the
-        checkpoint must be on a file system every rank sees. Every rank restores the same RNG
-        (all draw the same minibatch split). The ranks then agree: if any could not load, all raise.
-        """
-        error: Exception | None = None
-        meta: dict[str, Any] = {}
-        try:
-            meta = load_sharded(path, self.model.lm, self.optimizer)
-            if "policy_version" not in meta:
-                raise ValueError(f"{path}/meta.json: has no policy_version (not a trainer checkpoint)")
-        except Exception as exc:  # noqa: BLE001 -- whatever it was, the other ranks must not wait for this one
-            error = exc
-        failed = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
-        failed[self.rank] = int(error is not None)
-        dist.all_reduce(failed, op=dist.ReduceOp.SUM)
-        if error is not None:
-            raise error
-        if bad := [r for r, f in enumerate(failed.tolist()) if f]:
-            raise RuntimeError(f"trainer.resume: trainer rank(s) {bad} could not load checkpoint {path} (see their "
-                               "logs); every rank reads it itself, so run_dir must be on a file system all ranks see")
-        self.policy_version = int(meta["policy_version"])
-        if "rng" in meta:
-            self.set_rng_state(meta["rng"])
-        logger.info("fsdp rank %d/%d: loaded its shard of %s (policy version %d)", self.rank, self.world_size,
-                    path, self.policy_version)
-        return meta
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # A gloo worker thread drops a finished collective's tensors only once it holds the GIL; one
-        # still waiting for it when the interpreter exits aborts the process (exit code -6). Let it.
-        time.sleep(_GLOO_DRAIN_S)
+    def _load_shard(self, path: str) -> dict[str, Any]:
+        """This rank's shard of a checkpoint of full tensors (as this backend or the single one writes it)."""
+        return load_sharded(path, self.model.lm, self.optimizer)
 
     # ------------------------------------------------------------------ PPOTrainer seams
     def _logprobs(self, batch: Batch) -> torch.Tensor:
@@ -140,41 +99,13 @@ class FSDPTrainer(SPMDTrainer):
 
 
 # ---------------------------------------------------------------------- devices and build
-def _visible_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def check(cfg: TrainerConfig) -> None:
-    """Fail before any process starts if this machine cannot hold `trainer.world_size` CPU ranks
-    (GPUs for CUDA ranks are counted where they are placed: async_rl/placement.py)."""
-    device = resolve_device(cfg.device, "trainer.device")
-    n = cfg.world_size
-    if device.type == "cpu" and n > _visible_cores():
-        raise ValueError(f"trainer.world_size: {n} CPU ranks need at least {n} cores (one thread each), "
-                         f"but this machine has {_visible_cores()}")
+def check(cfg: Config) -> None:
+    check_ranks(cfg.trainer)
 
 
 def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
     """Join the process group (gloo on CPU, NCCL on CUDA), shard the model, return this rank's trainer."""
-    if rank.world_size != cfg.trainer.world_size:
-        raise ValueError(f"trainer.world_size: config says {cfg.trainer.world_size}, "
-                         f"launcher started {rank.world_size} ranks")
-    if rank.store is None:
-        raise ValueError("trainer.backend=fsdp: ranks need a shared store (start them with trainer_rank_main)")
-    device = resolve_device(cfg.trainer.device, "trainer.device")  # this rank's own: its launcher placed it
-    if device.type == "cuda" and device.index is None and rank.world_size > 1:
-        raise ValueError(f"trainer.device: {cfg.trainer.device!r} names no GPU for rank {rank.rank}; each rank "
-                         "builds with its own (async_rl.placement.rank_device)")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                store=dist.PrefixStore("fsdp", rank.store), rank=rank.rank,
-                                world_size=rank.world_size, timeout=timedelta(seconds=rank.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+    device = join_group(cfg, rank, "fsdp")
     mesh = init_device_mesh(device.type, (rank.world_size,))
     # every rank builds the same initial weights from the seed, then keeps only its shard
     lm = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)

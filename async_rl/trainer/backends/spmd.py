@@ -19,14 +19,26 @@ collectives stay in lock step, and every rank's stats have the same keys.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from async_rl.config import Config, TrainerConfig
+from async_rl.trainer.backends import RankInfo
 from async_rl.trainer.batching import Batch
 from async_rl.trainer.trainer import PPOTrainer, Share, _StatsAccumulator
+from async_rl.utils.hardware import resolve_device
+
+logger = logging.getLogger(__name__)
 
 _SKIP = -1  # header of a step rank 0 did not train (every trajectory dropped): followers do not either
+_GLOO_DRAIN_S = 0.05  # see SPMDTrainer.close
 
 
 def row_share(micros: list[Batch], dp_rank: int, dp_size: int) -> list[Batch]:
@@ -133,6 +145,47 @@ class SPMDTrainer(PPOTrainer):
             send_shares(per_dp[self.dp_rank_of(r)], r, self.device)
         return per_dp[self.dp_rank_of(self.rank)]
 
+    def _load_shard(self, path: str) -> dict[str, Any]:
+        """This rank's part of the checkpoint at `path` (weights, optimizer state); returns its meta."""
+        raise NotImplementedError
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Collective: weights, optimizer state, version and RNG of a checkpoint; returns its meta.
+
+        Every rank reads the files itself and keeps its own part, so the checkpoint must be on
+        a file system every rank sees. Every rank restores the same RNG. The ranks then agree:
+        if any could not load, all raise.
+        """
+        error: Exception | None = None
+        meta: dict[str, Any] = {}
+        try:
+            meta = self._load_shard(path)
+            if "policy_version" not in meta:
+                raise ValueError(f"{path}/meta.json: has no policy_version (not a trainer checkpoint)")
+        except Exception as exc:  # noqa: BLE001 -- whatever it was, the other ranks must not wait for this one
+            error = exc
+        failed = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        failed[self.rank] = int(error is not None)
+        dist.all_reduce(failed, op=dist.ReduceOp.SUM)
+        if error is not None:
+            raise error
+        if bad := [r for r, f in enumerate(failed.tolist()) if f]:
+            raise RuntimeError(f"trainer.resume: trainer rank(s) {bad} could not load checkpoint {path} (see their "
+                               "logs); every rank reads it itself, so run_dir must be on a file system all ranks see")
+        self.policy_version = int(meta["policy_version"])
+        if "rng" in meta:
+            self.set_rng_state(meta["rng"])
+        logger.info("%s rank %d/%d: loaded its part of %s (policy version %d)", self.cfg.backend, self.rank,
+                    self.world_size, path, self.policy_version)
+        return meta
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # A gloo worker thread drops a finished collective's tensors only once it holds the GIL; one
+        # still waiting for it when the interpreter exits aborts the process (exit code -6). Let it.
+        time.sleep(_GLOO_DRAIN_S)
+
     def _stats_result(self, acc: _StatsAccumulator) -> dict[str, float]:
         """Token-weighted sums and maxima of the data-parallel ranks combined; all ran the same stat keys."""
         sums_keys, max_keys = sorted(acc.sums), sorted(acc.maxes)
@@ -145,3 +198,43 @@ class SPMDTrainer(PPOTrainer):
         acc.tokens = int(sums[-1].item())
         acc.maxes = dict(zip(max_keys, maxes.tolist()))
         return acc.result()
+
+
+# ---------------------------------------------------------------------- devices and the process group
+def _visible_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_ranks(cfg: TrainerConfig) -> torch.device:
+    """Fail before any process starts if this machine cannot hold `trainer.world_size` CPU ranks
+    (GPUs for CUDA ranks are counted where they are placed: async_rl/placement.py); the device."""
+    device = resolve_device(cfg.device, "trainer.device")
+    n = cfg.world_size
+    if device.type == "cpu" and n > _visible_cores():
+        raise ValueError(f"trainer.world_size: {n} CPU ranks need at least {n} cores (one thread each), "
+                         f"but this machine has {_visible_cores()}")
+    return device
+
+
+def join_group(cfg: Config, rank: RankInfo, name: str) -> torch.device:
+    """Join the trainer's process group (gloo on CPU, NCCL on CUDA) on this rank's device; return it."""
+    if rank.world_size != cfg.trainer.world_size:
+        raise ValueError(f"trainer.world_size: config says {cfg.trainer.world_size}, "
+                         f"launcher started {rank.world_size} ranks")
+    if rank.store is None:
+        raise ValueError(f"trainer.backend={name}: ranks need a shared store (start them with trainer_rank_main)")
+    device = resolve_device(cfg.trainer.device, "trainer.device")  # this rank's own: its launcher placed it
+    if device.type == "cuda" and device.index is None and rank.world_size > 1:
+        raise ValueError(f"trainer.device: {cfg.trainer.device!r} names no GPU for rank {rank.rank}; each rank "
+                         "builds with its own (async_rl.placement.rank_device)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore(name, rank.store), rank=rank.rank,
+                                world_size=rank.world_size, timeout=timedelta(seconds=rank.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return device
