@@ -109,8 +109,8 @@ class MegatronTrainer(SPMDTrainer):
         first data-parallel replica takes part (the others hold the same)."""
         if self.dp_rank != 0:
             return None
-        if self.tp == 1:
-            return [local] if self.rank == 0 else None
+        if self.tp == 1:  # a copy: what is yielded must not change with the next optimizer step
+            return [local.detach().clone()] if self.rank == 0 else None
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.tp)] if self.tp_rank == 0 else None
         dist.gather(local, parts, group_dst=0, group=self.tp_group)
