@@ -38,10 +38,12 @@ def require_megatron() -> Any:
                          f"this environment has {version}; {_INSTALL}")
     import warnings
 
-    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": known, and said in README
-        warnings.simplefilter("ignore", UserWarning)
-        import megatron.core
-        import megatron.core.optimizer  # noqa: F401  (its import-time warning, silenced once here)
+    # Known, and said in README: without Apex / Transformer Engine megatron uses torch's own norms and
+    # kernels. Printed by every trainer process at import and at every layer spec otherwise.
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    import megatron.core
+
     return megatron.core
 
 
