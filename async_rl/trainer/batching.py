@@ -5,7 +5,10 @@ tensor is about the token at position j+1, predicted from the logits at position
 Response token k of a trajectory with a P-token prompt sits in column P-1+k; prompt
 columns and padding hold zeros (versions -1) and loss_mask 0. Micro-batches are formed
 by sorting on length so padding stays small; packing without padding can replace
-`micro_batches` + `collate` later without touching the trainer.
+`micro_batches` + `collate` later without touching the trainer. A `Batch` is a TensorDict
+(tensorclass): device moves, row shares and shipping between trainer ranks come with it.
+`micro_batches` stays plain Python on purpose: it cuts trajectories before they are padded,
+which a padded TensorDict, all of one length, cannot express.
 
 `token_logprobs` runs the decoder once, then applies the LM head only at the scored
 positions, a chunk of rows at a time in float32. Under autograd each chunk is
