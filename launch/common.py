@@ -12,8 +12,8 @@ import torch
 
 from async_rl.config import Config
 from async_rl.placement import SIDES, Placement, gpus_here, place
-from async_rl.utils.cores import CoreShare
 from async_rl.trainer.backends import get_backend
+from async_rl.utils.cores import CoreShare
 from async_rl.utils.hardware import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
