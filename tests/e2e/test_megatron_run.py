@@ -8,6 +8,7 @@ import os
 import pytest
 
 from async_rl.config import Config, ModelConfig, TrainerConfig
+from async_rl.placement import place
 from async_rl.trainer.backends import get_backend
 from tests.e2e.test_fsdp_run import DEBUG, cli
 
@@ -59,6 +60,11 @@ def test_what_megatron_cannot_run_is_refused_with_one_line(monkeypatch):
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message):
             check(cfg)
+
+    # more CUDA ranks than GPUs: the GPU pools' rule (async_rl/placement.py), which megatron ranks go by too
+    gpus = Config(trainer=TrainerConfig(backend="megatron", device="cuda", world_size=4, tensor_parallel=2))
+    with pytest.raises(ValueError, match=r"^trainer.world_size: 4 ranks need 4 GPUs \(one each\), but 2"):
+        place(gpus, visible=2, sides=("trainer",))
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
