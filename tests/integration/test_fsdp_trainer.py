@@ -289,3 +289,43 @@ def test_fsdp_on_two_gpus_matches_one_gpu(tmp_path):
     ref_stats, ref_weights, _ = _reference(cfg)
     _assert_same_training(ref_stats, {k: v.cpu() for k, v in ref_weights.items()},
                           torch.load(tmp_path / "cuda" / "fsdp.pt", weights_only=False))
+
+
+# ---------------------------------------------------------------------------------------- shares
+def _exchange_rank(rank: int, port: int, out: str, errors) -> None:
+    """Rank 0 sends three steps' shares (rows; trajectories with nothing trained; rows again), rank 1 receives."""
+    from async_rl.trainer.backends.spmd import recv_shares, send_shares
+    from async_rl.trainer.batching import collate
+    from async_rl.trainer.trainer import Share
+
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        trajs = [t for g in _groups(0) for t in g][:4]
+        batch = collate(trajs, torch.ones(4), [0, 1, 2, 3])
+        steps = [[Share(total=batch.num_tokens, micros=[batch])], [Share(total=0, micros=[])],
+                 [Share(total=batch.num_tokens, micros=[batch[1:3]])]]
+        if rank == 0:
+            for shares in steps:
+                send_shares(shares, 1, torch.device("cpu"))
+        else:
+            got = [recv_shares(torch.device("cpu")) for _ in steps]
+            for want, have in zip(steps, got):
+                assert [s.total for s in have] == [s.total for s in want]
+                for a, b in zip(want, have):
+                    assert len(a.micros) == len(b.micros)
+                    for x, y in zip(a.micros, b.micros):
+                        assert all(torch.equal(x.get(k), y.get(k)) for k in x.to_tensordict().keys())
+            Path(out, "ok").write_text("ok")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def test_shares_arrive_whole_and_a_step_without_rows_sends_none(tmp_path):
+    from tests.integration.test_resume_ranks import _run
+
+    port = free_port()
+    _run([(_exchange_rank, (0, port)), (_exchange_rank, (1, port))], tmp_path)
+    assert (tmp_path / "ok").read_text() == "ok"

@@ -64,6 +64,11 @@ def _pack(shares: list[Share]) -> TensorDict:
                       batch_size=[])
 
 
+def _has_rows(shares: list[Share] | None) -> bool:
+    """Whether a step's shares carry any micro-batch: the one rule both ends follow to send / expect data."""
+    return bool(shares) and any(s.micros for s in shares)
+
+
 def _header(shares: list[Share] | None) -> torch.Tensor:
     """[n] int64: number of minibatches (or _SKIP), then per minibatch its token total, its micro-batch
     count and each micro-batch's (rows, length)."""
@@ -80,7 +85,7 @@ def send_shares(shares: list[Share] | None, dst: int, device: torch.device) -> N
     header = _header(shares).to(device)
     dist.send(torch.tensor([header.numel()], device=device), dst=dst)
     dist.send(header, dst=dst)
-    if shares:
+    if _has_rows(shares):
         _pack(shares).consolidate(metadata=True).send(dst, consolidated=True)
 
 
@@ -99,7 +104,7 @@ def recv_shares(device: torch.device) -> list[Share] | None:
         dims = h[i + 2:i + 2 + 2 * n]
         shares.append(Share(total=total, micros=[Batch.empty(dims[2 * k], dims[2 * k + 1], device) for k in range(n)]))
         i += 2 + 2 * n
-    if not any(s.micros for s in shares):
+    if not _has_rows(shares):
         return shares
     td = _pack(shares).consolidate(metadata=True)
     td.recv(0, consolidated=True)
