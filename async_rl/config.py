@@ -123,9 +123,12 @@ class AgentConfig:
 
 @dataclass
 class TrainerConfig:
-    backend: str = "single"  # single (one process) | fsdp (trainer.world_size processes, FSDP2)
+    backend: str = "single"  # single (one process) | fsdp (world_size processes, FSDP2) | megatron (Megatron-core TP x DP)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto = CUDA when present)
-    world_size: int = 1  # trainer processes (fsdp backend)
+    world_size: int = 1  # trainer processes (fsdp, megatron backends)
+    tensor_parallel: int = 1  # megatron: ranks that split each layer's tensors; data parallel over world_size / this
+    megatron_spec: str = "auto"  # megatron layers: local (megatron-core's own) | te (Transformer Engine, GPU) | auto
+    pack_sequences: bool = False  # megatron on GPU with te: packed (THD) micro-batches instead of padded rows
     batch_size: int = 32  # B: trajectories per train step (a multiple of rollout.group_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -248,7 +251,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "trainer.compute_dtype": ("auto", "float32", "bfloat16"),
     "engine.backend": ("embedded", "sglang"),
-    "trainer.backend": ("single", "fsdp"),
+    "trainer.backend": ("single", "fsdp", "megatron"),
+    "trainer.megatron_spec": ("auto", "local", "te"),
     "task.prompt_format": ("raw", "chat"),
     "task.answer_pick": ("last", "first"),
     "weight_sync.transport": ("disk", "zmq", "dist"),
@@ -330,6 +334,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"supervise.drain_timeout_s: must be > 0, got {cfg.supervise.drain_timeout_s}")
     if cfg.max_staleness < 0:
         raise ConfigError(f"max_staleness: must be >= 0, got {cfg.max_staleness}")
+    if cfg.trainer.tensor_parallel < 1:
+        raise ConfigError(f"trainer.tensor_parallel: must be >= 1, got {cfg.trainer.tensor_parallel}")
+    if cfg.trainer.backend != "megatron" and cfg.trainer.tensor_parallel != 1:
+        raise ConfigError(f"trainer.tensor_parallel: only trainer.backend=megatron splits tensors, "
+                          f"got {cfg.trainer.tensor_parallel} with trainer.backend={cfg.trainer.backend}")
+    if cfg.trainer.world_size % cfg.trainer.tensor_parallel:
+        raise ConfigError(f"trainer.tensor_parallel: must divide trainer.world_size ({cfg.trainer.world_size}; the "
+                          f"rest is data parallel), got {cfg.trainer.tensor_parallel}")
     if cfg.trainer.batch_size % cfg.rollout.group_size:
         raise ConfigError(
             f"trainer.batch_size: must be a multiple of rollout.group_size ({cfg.rollout.group_size}), "

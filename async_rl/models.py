@@ -73,7 +73,16 @@ def build_tiny_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
-    config = _hf().LlamaConfig(
+    config = _tiny_config(cfg, vocab_size)
+    gen = torch.random.fork_rng()
+    with gen:
+        torch.manual_seed(seed)
+        model = _hf().LlamaForCausalLM(config)
+    return model
+
+
+def _tiny_config(cfg: ModelConfig, vocab_size: int):
+    return _hf().LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.tiny_hidden,
         intermediate_size=cfg.tiny_intermediate,
@@ -87,11 +96,20 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int) -> LlamaForCa
         eos_token_id=SPECIAL_TOKENS.index("<|im_end|>"),
         bos_token_id=SPECIAL_TOKENS.index("<|im_start|>"),
     )
-    gen = torch.random.fork_rng()
-    with gen:
-        torch.manual_seed(seed)
-        model = _hf().LlamaForCausalLM(config)
-    return model
+
+
+def model_config(cfg: ModelConfig):
+    """The HF config of the configured model, without building it or reading its weights (a backend's checks)."""
+    if cfg.name == "tiny":
+        return _tiny_config(cfg, len(load_tokenizer(cfg)))
+    return _hf().AutoConfig.from_pretrained(str(model_dir(cfg)))
+
+
+def model_dir(cfg: ModelConfig) -> Path:
+    path = smollm2_checkpoint() if cfg.name == "smollm2-135m" else Path(cfg.name)
+    if not path.is_dir():
+        raise ModelLoadError(f"model.name: {cfg.name!r} is neither 'tiny', 'smollm2-135m' nor a checkpoint directory")
+    return path
 
 
 def _cache_dir() -> Path:
@@ -138,10 +156,7 @@ def _convert_smollm2(out: Path) -> None:
 def load_tokenizer(cfg: ModelConfig):
     if cfg.name == "tiny":
         return build_tiny_tokenizer(cfg.tiny_alphabet)
-    path = smollm2_checkpoint() if cfg.name == "smollm2-135m" else Path(cfg.name)
-    if not path.is_dir():
-        raise ModelLoadError(f"model.name: {cfg.name!r} is neither 'tiny', 'smollm2-135m' nor a checkpoint directory")
-    return _hf().AutoTokenizer.from_pretrained(str(path))
+    return _hf().AutoTokenizer.from_pretrained(str(model_dir(cfg)))
 
 
 def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None, device: torch.device | str = "cpu") -> torch.nn.Module:
@@ -152,10 +167,7 @@ def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None, device: torch.de
         tokenizer = tokenizer or load_tokenizer(cfg)
         model = build_tiny_model(cfg, len(tokenizer), seed)
     else:
-        path = smollm2_checkpoint() if cfg.name == "smollm2-135m" else Path(cfg.name)
-        if not path.is_dir():
-            raise ModelLoadError(f"model.name: {cfg.name!r} is neither 'tiny', 'smollm2-135m' nor a checkpoint directory")
-        model = _hf().AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = _hf().AutoModelForCausalLM.from_pretrained(str(model_dir(cfg)), dtype=torch.float32)
     return model.to(device=device, dtype=dtype).eval()
 
 

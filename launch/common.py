@@ -12,6 +12,7 @@ import torch
 
 from async_rl.config import Config
 from async_rl.placement import SIDES, Placement, gpus_here, place
+from async_rl.trainer.backends import get_backend
 from async_rl.utils.cores import CoreShare
 from async_rl.utils.hardware import resolve_device, resolve_dtype
 
@@ -70,7 +71,8 @@ def pin_dtypes(cfg: Config, command: str) -> tuple[Config, list[str]]:
         model = dataclasses.replace(model, dtype=choice.name)
         lines.append(f"engine dtype: {choice.name} ({choice.reason})")
     if command in ("run", "train"):
-        choice = resolve_dtype(trainer.compute_dtype, resolve_device(trainer.device, "trainer.device"))
+        choice = get_backend(trainer.backend).compute_dtype(trainer.compute_dtype,
+                                                            resolve_device(trainer.device, "trainer.device"))
         trainer = dataclasses.replace(trainer, compute_dtype=choice.name)
         lines.append(f"trainer compute dtype: {choice.name} ({choice.reason}; master weights fp32)")
     return dataclasses.replace(cfg, model=model, trainer=trainer), lines

@@ -233,7 +233,7 @@ def ledger_lines(run_dir: str) -> list[str]:
 
 
 def run_local(cfg: Config) -> list[str]:
-    get_backend(cfg.trainer.backend).check(cfg.trainer)  # every trainer rank runs here: fail before starting any
+    get_backend(cfg.trainer.backend).check(cfg)  # every trainer rank runs here: fail before starting any
     plan = place_here(cfg)  # the GPU pools, or one error line naming the key
     cfg = with_overrides(cfg, transport={"addr": with_free_port(cfg.transport.addr)})
     save_config(cfg, cfg.run_dir)

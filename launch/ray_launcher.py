@@ -273,7 +273,7 @@ def _check_backend(cfg: Config) -> None:
 
     if cfg.trainer.world_size > 1 and not TRAINER_BACKENDS[cfg.trainer.backend]().distributed:
         raise ConfigError(f"trainer.world_size: trainer.backend={cfg.trainer.backend} runs one process, got "
-                          f"{cfg.trainer.world_size}; use trainer.backend=fsdp to place several ranks")
+                          f"{cfg.trainer.world_size}; use trainer.backend=fsdp or megatron to place several ranks")
 
 
 def run_ray(cfg: Config) -> list[str]:

@@ -6,10 +6,12 @@
 Rank 0 owns the queue, metrics, checkpoints and publishing and hosts a TCPStore at
 master_addr:master_port. The store carries the process group's rendezvous and a command
 channel: every call rank 0 makes on the trainer (`train_step`, `state_dict`, `weights`,
-`save_checkpoint`, `load_checkpoint`, `close`) is first written there as one msgpack frame
-(trajectories travel in their wire form, never pickled), then run locally; each follower
-reads the command, runs the same call, and so joins the same collectives (so a resume
-loads every rank's shard and the same RNG on every rank). A follower waits for commands
+`save_checkpoint`, `load_checkpoint`, `close`) is first written there as one small msgpack
+frame (its name and arguments: paths, steps), then run locally; each follower reads the
+command, runs the same call, and so joins the same collectives (so a resume loads every
+rank's shard and the same RNG on every rank). A train step's data is not in the frame: rank
+0's `train_step` sends each follower its rows of the batch over the process group itself
+(trainer/backends/spmd.py), and the follower's `follow_train_step` receives them. A follower waits for commands
 without a timeout while rank 0 waits for rollout data, and leaves as soon as the store's
 connection breaks (rank 0 died) or it reads `stop`. Collectives themselves
 time out after `transport.peer_timeout_s`, so a rank that dies mid-step fails the others
@@ -96,7 +98,7 @@ class Leader:
         return self.trainer.model
 
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
-        self._announce("train_step", groups=[[t.to_wire() for t in g] for g in groups])
+        self._announce("train_step")  # the batch follows over the process group (spmd.py), not the store
         return self.trainer.train_step(groups)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -164,7 +166,7 @@ class Leader:
 
 # what a follower does for each command of rank 0 (the same call, so the same collectives)
 _COMMANDS: dict[str, Callable[[TrainerBackend, dict[str, Any]], Any]] = {
-    "train_step": lambda t, c: t.train_step([[Trajectory.from_wire(x) for x in g] for g in c["groups"]]),
+    "train_step": lambda t, c: t.follow_train_step(),
     "state_dict": lambda t, c: t.state_dict(),
     "weights": lambda t, c: t.weights().close(),
     "save_checkpoint": lambda t, c: t.save_checkpoint(c["path"], c["step"], c["extra"]),
@@ -235,7 +237,7 @@ def local_followers(cfg: Config) -> Iterator[tuple[str, int, Callable[[], None] 
     own error line when one has died. The backend's device check runs first, so a world
     size this machine cannot hold fails before anything starts.
     """
-    get_backend(cfg.trainer.backend).check(cfg.trainer)
+    get_backend(cfg.trainer.backend).check(cfg)
     n = cfg.trainer.world_size
     if n == 1:
         yield "127.0.0.1", 0, None

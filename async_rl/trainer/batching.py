@@ -5,7 +5,10 @@ tensor is about the token at position j+1, predicted from the logits at position
 Response token k of a trajectory with a P-token prompt sits in column P-1+k; prompt
 columns and padding hold zeros (versions -1) and loss_mask 0. Micro-batches are formed
 by sorting on length so padding stays small; packing without padding can replace
-`micro_batches` + `collate` later without touching the trainer.
+`micro_batches` + `collate` later without touching the trainer. A `Batch` is a TensorDict
+(tensorclass): device moves, row shares and shipping between trainer ranks come with it.
+`micro_batches` stays plain Python on purpose: it cuts trajectories before they are padded,
+which a padded TensorDict, all of one length, cannot express.
 
 `token_logprobs` runs the decoder once, then applies the LM head only at the scored
 positions, a chunk of rows at a time in float32. Under autograd each chunk is
@@ -16,11 +19,12 @@ checkpointed, so a [tokens, vocab] logits tensor never outlives its chunk (the v
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tensordict import tensorclass
 from torch.utils.checkpoint import checkpoint
 
 from async_rl.trainer.advantages import broadcast_to_tokens
@@ -30,23 +34,30 @@ from async_rl.types import Trajectory
 _SPECIAL_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-@dataclass
+@tensorclass
 class Batch:
+    """One padded micro-batch, a TensorDict of B rows: `batch.to(device)`, `batch[rows]` (a row
+    share), and `send`/`recv` over a process group (trainer/backends/spmd.py) come with it."""
+
     input_ids: torch.Tensor  # [B, L] int64, prompt + response, right-padded with 0
     attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
     loss_mask: torch.Tensor  # [B, L-1] float32, 1 where the target token was sampled by the model
     behav_logprobs: torch.Tensor  # [B, L-1] float32, 0 where not trained
     versions: torch.Tensor  # [B, L-1] int64, -1 where not trained
     advantages: torch.Tensor  # [B, L-1] float32, 0 where not trained
-    index: list[int]  # positions of these rows in the trajectory list they came from
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def to(self, device: torch.device | str) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name).to(device) if f.name != "index" else self.index
-                        for f in fields(self)})
+    @classmethod
+    def empty(cls, rows: int, length: int, device: torch.device | str = "cpu") -> "Batch":
+        """A batch of this shape to receive into (the dtypes `collate` makes)."""
+        long, flt = dict(dtype=torch.long, device=device), dict(dtype=torch.float32, device=device)
+        return cls(input_ids=torch.zeros(rows, length, **long), attention_mask=torch.zeros(rows, length, **long),
+                   loss_mask=torch.zeros(rows, length - 1, **flt), behav_logprobs=torch.zeros(rows, length - 1, **flt),
+                   versions=torch.zeros(rows, length - 1, **long), advantages=torch.zeros(rows, length - 1, **flt),
+                   batch_size=[rows], device=device)
 
 
 def seq_len(traj: Trajectory) -> int:
@@ -77,7 +88,8 @@ def collate(trajs: list[Trajectory], advantages: torch.Tensor, index: list[int])
         behav[b, cols] = torch.where(m, torch.from_numpy(t.behav_logprobs.astype(np.float32)), 0.0)
         versions[b, cols] = torch.where(m, torch.from_numpy(t.versions.astype(np.int64)), -1)
     adv = broadcast_to_tokens(advantages[index].to(torch.float32), loss_mask)
-    return Batch(input_ids, attention_mask, loss_mask, behav, versions, adv, list(index))
+    return Batch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, behav_logprobs=behav,
+                 versions=versions, advantages=adv, batch_size=[B])
 
 
 def micro_batches(trajs: list[Trajectory], token_budget: int, overhead_tokens: int = 0) -> list[list[int]]:
@@ -138,10 +150,24 @@ def _pick(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float) -> torch
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor, inv_temp: float) -> torch.Tensor:
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    inv_temp: float) -> torch.Tensor:
     """hidden [n, H], targets [n] -> [n]; the matmul runs in the model's dtype, like the engine's."""
     return _pick(F.linear(hidden, weight, bias), targets, inv_temp)
+
+
+def chunked_logprobs(pick: Callable[..., torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, *args,
+                     chunk_tokens: int = 1024) -> torch.Tensor:
+    """[N] float32: `pick(hidden[s:e], targets[s:e], *args)` over chunks of rows of hidden [N, H].
+    Under autograd each chunk is checkpointed, so its [chunk, vocab] logits never outlive it."""
+    parts = []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        chunk = (hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], *args)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            parts.append(checkpoint(pick, *chunk, use_reentrant=False))
+        else:
+            parts.append(pick(*chunk))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -169,14 +195,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         decoder, head = split
         hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         h = hidden[:, :-1][rows, cols]  # [N, H]
-        parts = []
-        for s in range(0, h.shape[0], chunk_tokens):
-            args = (h[s:s + chunk_tokens], head.weight, head.bias, targets[s:s + chunk_tokens], inv_temp)
-            if torch.is_grad_enabled() and h.requires_grad:
-                parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
-            else:
-                parts.append(_chunk_logprobs(*args))
-        picked = torch.cat(parts) if parts else h.new_zeros(0, dtype=torch.float32)
+        picked = chunked_logprobs(_chunk_logprobs, h, targets, head.weight, head.bias, inv_temp,
+                                  chunk_tokens=chunk_tokens)
     out = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device)
     return out.index_put((rows, cols), picked)
 

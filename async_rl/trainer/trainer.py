@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -175,19 +176,21 @@ class PPOTrainer:
         adv = self.advantage_fn(trajs, self.cfg)  # [N], or [N, trained tokens] (trainer.advantage)
         minibatches = self._split(trajs, adv)
         stats = self._staleness(minibatches)
-        local = [self._local_share(micros) for micros in minibatches]  # what this process runs
-        prox = self._prox_logprobs(local) if len(minibatches) > 1 else None
+        return {**_NO_UPDATE, **stats, **self._optimize(self._shares(minibatches))}
+
+    def _optimize(self, shares: list["Share"]) -> dict[str, float]:
+        """One optimizer step per minibatch over this process's share of it (every rank runs this)."""
+        prox = self._prox_logprobs(shares) if len(shares) > 1 else None
         acc = _StatsAccumulator()
         steps = skipped = 0
         self.model.train()
         try:
-            for m, micros in enumerate(minibatches):
-                total = sum(b.num_tokens for b in micros)
-                if total == 0:
+            for m, share in enumerate(shares):
+                if share.total == 0:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
-                for k, batch in enumerate(local[m]):
-                    self._accumulate(batch, prox[m][k] if prox is not None else None, total, acc)
+                for k, batch in enumerate(share.micros):
+                    self._accumulate(batch, prox[m][k] if prox is not None else None, share.total, acc)
                 norm = self._clip_grads()
                 acc.add_grad_norm(norm)
                 if math.isfinite(norm):
@@ -200,7 +203,7 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         finally:
             self.model.eval()
-        stats = {**_NO_UPDATE, **stats, **self._stats_result(acc)}
+        stats = self._stats_result(acc)
         stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
         return stats
 
@@ -218,13 +221,14 @@ class PPOTrainer:
         """[B, L-1] log-probs of the batch's trained tokens under the current weights."""
         with self._autocast():
             return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
-                                  score_mask=batch.loss_mask)
+                                  score_mask=score_mask(batch))
 
     # Seams for data-parallel backends (trainer/backends/): which micro-batches this process
     # runs, and how its token-weighted stats combine with the other processes'.
-    def _local_share(self, micros: list[Batch]) -> list[Batch]:
-        """The micro-batches of one minibatch this process runs forward and backward."""
-        return [b for b in micros if b.num_tokens]
+    def _shares(self, minibatches: list[list[Batch]]) -> list["Share"]:
+        """What this process runs of each minibatch (a data-parallel backend sends the other ranks theirs)."""
+        return [Share(total=sum(b.num_tokens for b in micros), micros=[b for b in micros if b.num_tokens])
+                for micros in minibatches]
 
     def _stats_result(self, acc: "_StatsAccumulator") -> dict[str, float]:
         return acc.result()
@@ -261,9 +265,28 @@ class PPOTrainer:
                 "train/num_tokens": float(lag.numel())}
 
     @torch.no_grad()
-    def _prox_logprobs(self, minibatches: list[list[Batch]]) -> list[list[torch.Tensor]]:
+    def _prox_logprobs(self, shares: list["Share"]) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the weights at the start of the step."""
-        return [[self._logprobs(b) for b in micros] for micros in minibatches]
+        return [[self._logprobs(b) for b in share.micros] for share in shares]
+
+
+@dataclass(slots=True)
+class Share:
+    """A process's part of one minibatch: its micro-batches, and the minibatch's trained-token count
+    (each micro-batch's loss is weighted by its tokens over `total`, so the parts sum to the whole)."""
+
+    total: int
+    micros: list[Batch]
+
+
+def score_mask(batch: Batch) -> torch.Tensor:
+    """[B, L-1] positions to compute log-probs at: the trained tokens. A share with none (a data-parallel
+    rank's idle row, weighted 0) scores one position, so the backward still reaches every weight."""
+    if batch.num_tokens:
+        return batch.loss_mask
+    mask = torch.zeros_like(batch.loss_mask)
+    mask[0, 0] = 1.0
+    return mask
 
 
 class _StatsAccumulator:

@@ -15,6 +15,7 @@ that leaves when rank 0 dies.
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import time
@@ -29,6 +30,7 @@ from async_rl.config import Config, ModelConfig, TrainerConfig
 from async_rl.placement import gpus_here, place, rank_device
 from async_rl.trainer.backends import RankInfo, get_backend
 from async_rl.trainer.checkpoint import load_checkpoint
+from async_rl.transport.codec import decode
 from async_rl.types import Trajectory
 from async_rl.weight_sync.disk import DiskWeightPublisher, load_weights
 from launch.common import free_port
@@ -71,11 +73,16 @@ def _groups(step: int) -> list[list[Trajectory]]:
     return groups
 
 
+def step(trainer, rank: int, groups: list[list[Trajectory]]) -> dict:
+    """One train step as the launch layer drives it: rank 0 gets the batch, the others their rows from it."""
+    return trainer.train_step(groups) if rank == 0 else trainer.follow_train_step()
+
+
 def _train(cfg: Config, rank: RankInfo) -> tuple[list[dict], dict[str, torch.Tensor]]:
     device = rank_device(cfg.trainer.device, rank.rank)  # as the launch layer gives each rank its GPU
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device=device))
     trainer = get_backend(cfg.trainer.backend).build(cfg, rank)
-    stats = [trainer.train_step(_groups(s)) for s in range(STEPS)]
+    stats = [step(trainer, rank.rank, _groups(s)) for s in range(STEPS)]
     weights = trainer.state_dict()
     return stats, weights, trainer
 
@@ -172,21 +179,36 @@ def test_fsdp_two_processes_match_single_process(fsdp_runs, case):
 def test_world_size_beyond_this_machine_is_one_clear_error():
     cores = len(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match=rf"^trainer.world_size: {cores + 1} CPU ranks need at least {cores + 1} cores"):
-        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=cores + 1, device="cpu"))
+        get_backend("fsdp").check(Config(trainer=TrainerConfig(backend="fsdp", world_size=cores + 1, device="cpu")))
     with pytest.raises(ValueError, match=r"^trainer.world_size: the single backend runs one process, got 2"):
-        get_backend("single").check(TrainerConfig(world_size=2, device="cpu"))
+        get_backend("single").check(Config(trainer=TrainerConfig(world_size=2, device="cpu")))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"^trainer.device: 'cuda' asked for, but this machine has no CUDA"):
-            get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=2, device="cuda"))
-    with pytest.raises(ValueError, match=r"^trainer.backend: must be one of single\|fsdp, got 'megatron'"):
-        get_backend("megatron")
+            get_backend("fsdp").check(Config(trainer=TrainerConfig(backend="fsdp", world_size=2, device="cuda")))
+    with pytest.raises(ValueError, match=r"^trainer.backend: must be one of single\|fsdp\|megatron, got 'deepspeed'"):
+        get_backend("deepspeed")
 
 
 # ---------------------------------------------------------------------------------------- lock step
+class _Frames:
+    """The store of rank 0's Leader, recording the size and keys of every command frame it writes."""
+
+    def __init__(self, store):
+        self.store, self.frames = store, []
+
+    def set(self, key, value):
+        self.frames.append((len(value), sorted(decode(value))))
+        return self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 def _leader_then_vanish(cfg: Config, port: int, ready: str) -> None:
     """Rank 0 that trains a step, then one with nothing fresh enough (no collective), then sits until killed."""
     torch.set_num_threads(1)
     trainer = lead(cfg, 2, "127.0.0.1", port)
+    trainer.store = _Frames(trainer.store)
     stats = trainer.train_step(_groups(0))
     assert trainer.train_step(_groups(-10))["train/dropped_stale"] == 16  # the follower must not lose count
     full = trainer.state_dict()  # rank 0 gets the full weights; the follower joined the gather
@@ -200,11 +222,22 @@ def _leader_then_vanish(cfg: Config, port: int, ready: str) -> None:
     partial.close()
     assert trainer.state_dict().keys() == full.keys()  # the ranks are still in step
     assert 1 not in trainer._unread  # a frame every follower has read is deleted from the store
-    Path(ready).write_text(str(stats["train/loss"]))
+    Path(ready).write_text(json.dumps({"loss": stats["train/loss"], "frames": trainer.store.frames}))
     time.sleep(600)
 
 
-def _follower(cfg: Config, port: int, errors) -> None:
+def _follower(cfg: Config, port: int, errors, received: str) -> None:
+    """Rank 1 as a launcher runs it, recording the rows each train step brought it over the process group."""
+    from async_rl.trainer.backends import spmd
+
+    def recording(device, _recv=spmd.recv_shares):
+        shares = _recv(device)
+        rows = None if shares is None else [[int(b.batch_size[0]) for b in s.micros] for s in shares]
+        with open(received, "a") as f:
+            f.write(json.dumps(rows) + "\n")
+        return shares
+
+    spmd.recv_shares = recording
     try:
         follower_main(cfg, 1, 2, "127.0.0.1", port)
     except BaseException as exc:
@@ -213,12 +246,13 @@ def _follower(cfg: Config, port: int, errors) -> None:
 
 
 def test_follower_leaves_when_rank0_dies(tmp_path):
+    """Also: a step's batch reaches the follower over the process group (its rows only), not the store."""
     cfg = _fsdp(_cfg(micro_batch_tokens=4096))
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
-    port, ready = free_port(), tmp_path / "ready"
+    port, ready, received = free_port(), tmp_path / "ready", tmp_path / "received.jsonl"
     leader = ctx.Process(target=_leader_then_vanish, args=(cfg, port, str(ready)))
-    follower = ctx.Process(target=_follower, args=(cfg, port, errors))
+    follower = ctx.Process(target=_follower, args=(cfg, port, errors, str(received)))
     leader.start()
     follower.start()
     try:
@@ -237,6 +271,12 @@ def test_follower_leaves_when_rank0_dies(tmp_path):
         for p in (leader, follower):
             if p.is_alive():
                 p.kill()
+    frames = json.loads(ready.read_text())["frames"]
+    assert [keys for _, keys in frames] == [["op"], ["op"], ["op"]]  # train_step x2, state_dict: names only
+    assert max(size for size, _ in frames) < 64, frames
+    # step 0: one micro-batch of 16 rows, rank 1 holds rows 1, 3, ..., 15; step 1 trained nothing
+    got = [json.loads(line) for line in received.read_text().splitlines()]
+    assert got == [[[8]], None], got
 
 
 # ---------------------------------------------------------------------------------------- CUDA (NCCL)
@@ -261,3 +301,43 @@ def test_fsdp_on_two_gpus_matches_one_gpu(tmp_path):
     ref_stats, ref_weights, _ = _reference(cfg)
     _assert_same_training(ref_stats, {k: v.cpu() for k, v in ref_weights.items()},
                           torch.load(tmp_path / "cuda" / "fsdp.pt", weights_only=False))
+
+
+# ---------------------------------------------------------------------------------------- shares
+def _exchange_rank(rank: int, port: int, out: str, errors) -> None:
+    """Rank 0 sends three steps' shares (rows; trajectories with nothing trained; rows again), rank 1 receives."""
+    from async_rl.trainer.backends.spmd import recv_shares, send_shares
+    from async_rl.trainer.batching import collate
+    from async_rl.trainer.trainer import Share
+
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        trajs = [t for g in _groups(0) for t in g][:4]
+        batch = collate(trajs, torch.ones(4), [0, 1, 2, 3])
+        steps = [[Share(total=batch.num_tokens, micros=[batch])], [Share(total=0, micros=[])],
+                 [Share(total=batch.num_tokens, micros=[batch[1:3]])]]
+        if rank == 0:
+            for shares in steps:
+                send_shares(shares, 1, torch.device("cpu"))
+        else:
+            got = [recv_shares(torch.device("cpu")) for _ in steps]
+            for want, have in zip(steps, got):
+                assert [s.total for s in have] == [s.total for s in want]
+                for a, b in zip(want, have):
+                    assert len(a.micros) == len(b.micros)
+                    for x, y in zip(a.micros, b.micros):
+                        assert all(torch.equal(x.get(k), y.get(k)) for k in x.to_tensordict().keys())
+            Path(out, "ok").write_text("ok")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def test_shares_arrive_whole_and_a_step_without_rows_sends_none(tmp_path):
+    from tests.integration.test_resume_ranks import _run
+
+    port = free_port()
+    _run([(_exchange_rank, (0, port)), (_exchange_rank, (1, port))], tmp_path)
+    assert (tmp_path / "ok").read_text() == "ok"

@@ -26,7 +26,7 @@ from async_rl.trainer.backends import RankInfo, get_backend
 from async_rl.trainer.backends.scatter import shard_rows
 from launch.common import free_port
 from launch.trainer_ranks import follower_main, lead
-from tests.integration.test_fsdp_trainer import _groups  # 4 prompts x 4 answers, fixed per step
+from tests.integration.test_fsdp_trainer import _groups, step  # 4 prompts x 4 answers, fixed per step
 
 STEPS, K = 4, 2  # train 4 steps, checkpoint after 2
 TOL = 1e-6
@@ -40,13 +40,14 @@ def _cfg(backend: str = "fsdp") -> Config:
                   max_staleness=4, seed=5)
 
 
-def _train(trainer, steps: range, ckpt: Path | None = None) -> list[float]:
+def _train(trainer, steps: range, ckpt: Path | None = None, rank: int = 0) -> list[float]:
+    """Losses as rank 0 sees them (the other ranks' steps report nothing: `follow_train_step`)."""
     losses = []
     for s in steps:
         if ckpt is not None and s == K:
             trainer.save_checkpoint(str(ckpt), K, {"policy_version": trainer.policy_version,
                                                    "rng": trainer.rng_state()})
-        losses.append(trainer.train_step(_groups(s))["train/loss"])
+        losses.append(step(trainer, rank, _groups(s)).get("train/loss"))
     return losses
 
 
@@ -74,15 +75,15 @@ def _spmd_rank(rank: int, port: int, out: str, errors) -> None:
         store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
         info = RankInfo(rank, 2, store, timeout_s=60)
         full = build(_cfg(), info)
-        result = {"full": _train(full, range(STEPS), ckpt=out_dir / "ckpt"), "full_w": full.state_dict()}
+        result = {"full": _train(full, range(STEPS), ckpt=out_dir / "ckpt", rank=rank), "full_w": full.state_dict()}
         resumed = build(_cfg(), info)
         result["meta"] = resumed.load_checkpoint(str(out_dir / "ckpt"))
         result["version"] = resumed.policy_version
-        result["resumed"] = _train(resumed, range(K, STEPS))
+        result["resumed"] = _train(resumed, range(K, STEPS), rank=rank)
         result["resumed_w"] = resumed.state_dict()
         from_single = build(_cfg(), info)
         from_single.load_checkpoint(str(out_dir / "single_ckpt"))
-        result["from_single"] = _train(from_single, range(K, STEPS))
+        result["from_single"] = _train(from_single, range(K, STEPS), rank=rank)
         if rank == 0:
             _other_model(out_dir / "ckpt", out_dir / "other")
         torch.distributed.barrier()

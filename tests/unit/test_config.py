@@ -32,6 +32,11 @@ def test_overrides_apply_and_round_trip(tmp_path):
     (["trainer.batch_size=12"], "trainer.batch_size: must be a multiple"),
     (["rollout.top_p=0"], "rollout.top_p"),
     (["novalue"], "expected key=value"),
+    (["trainer.tensor_parallel=2", "trainer.world_size=2"], "trainer.tensor_parallel: only trainer.backend=megatron"),
+    (["trainer.backend=megatron", "trainer.world_size=3", "trainer.tensor_parallel=2"],
+     "trainer.tensor_parallel: must divide trainer.world_size (3"),
+    (["trainer.backend=megatron", "trainer.tensor_parallel=0"], "trainer.tensor_parallel: must be >= 1"),
+    (["trainer.backend=megatron", "trainer.megatron_spec=fast"], "trainer.megatron_spec: must be one of auto|local|te"),
 ])
 def test_bad_overrides_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as info:

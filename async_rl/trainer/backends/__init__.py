@@ -1,7 +1,7 @@
 """Trainer backends, chosen by `trainer.backend`: how many processes train and how weights are laid out.
 
     spec = TRAINER_BACKENDS[cfg.trainer.backend]
-    spec.check(cfg.trainer)                        # before any process starts: world size vs CPU cores
+    spec.check(cfg)                                # before any process starts: world size vs CPU cores, ...
     trainer = spec.build(cfg, RankInfo(rank, world_size, store))   # on every rank, in lock step
 
 - `single`: today's `PPOTrainer`, one process (CPU or one GPU); `trainer.world_size` must be 1.
@@ -9,6 +9,11 @@
   (each rank on the GPU placement gave it: async_rl/placement.py). Data parallel: every rank
   runs its share of each micro-batch, gradients are summed by FSDP's reduce-scatter, so a
   step equals the single-process step.
+- `megatron`: a Megatron-core GPTModel, `trainer.tensor_parallel` x data parallel over
+  `trainer.world_size` processes, converted from and to the HF model (megatron.py).
+
+Rank 0 of a multi-process backend alone gets the trajectories (`train_step`); the others
+call `follow_train_step()` and receive their rows over the process group (spmd.py).
 
 A built trainer is SPMD: every rank calls the same methods in the same order (the launch
 layer forwards rank 0's calls to the other ranks). `state_dict()`, `weights()`, `save_checkpoint()` and
@@ -24,9 +29,10 @@ from typing import Any, Protocol
 
 import torch
 
-from async_rl.config import Config, TrainerConfig
+from async_rl.config import Config
 from async_rl.types import Trajectory
 from async_rl.utils.weights import WeightSource
+from async_rl.utils.hardware import DtypeChoice, resolve_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +69,11 @@ class TrainerBackend(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    check: Callable[[TrainerConfig], None]  # raise ValueError naming the key if this machine cannot run it
+    check: Callable[[Config], None]  # raise ValueError naming the key if this machine or model cannot run it
     build: Callable[[Config, RankInfo], TrainerBackend]
     distributed: bool  # ranks join a process group (they need RankInfo.store, even for one rank)
+    # trainer.compute_dtype (auto | float32 | bfloat16) on a device -> the dtype this backend computes in, and why
+    compute_dtype: Callable[[str, torch.device], DtypeChoice] = resolve_dtype
 
 
 def train_staleness(cfg: Config) -> int:
@@ -85,8 +93,15 @@ def _fsdp() -> BackendSpec:
     return BackendSpec(check=fsdp.check, build=fsdp.build, distributed=True)
 
 
-# imported lazily: the fsdp backend pulls in torch.distributed only when chosen
-TRAINER_BACKENDS: dict[str, Callable[[], BackendSpec]] = {"single": _single, "fsdp": _fsdp}
+def _megatron() -> BackendSpec:
+    from async_rl.trainer.backends import megatron
+
+    return BackendSpec(check=megatron.check, build=megatron.build, distributed=True,
+                       compute_dtype=megatron.compute_dtype)
+
+
+# imported lazily: fsdp pulls in torch.distributed, megatron megatron-core (an optional extra), only when chosen
+TRAINER_BACKENDS: dict[str, Callable[[], BackendSpec]] = {"single": _single, "fsdp": _fsdp, "megatron": _megatron}
 
 
 def get_backend(name: str) -> BackendSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from async_rl.config import Config, TrainerConfig
+from async_rl.config import Config
 from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.backends import RankInfo, train_staleness
 from async_rl.trainer.checkpoint import hf_exporter, load_checkpoint, save_checkpoint
@@ -31,15 +31,15 @@ class SingleTrainer(PPOTrainer):
         """Nothing to release: one process, no process group."""
 
 
-def check(cfg: TrainerConfig) -> None:
-    if cfg.world_size != 1:
-        raise ValueError(f"trainer.world_size: the single backend runs one process, got {cfg.world_size}; "
-                         "use trainer.backend=fsdp to train on several")
-    resolve_device(cfg.device, "trainer.device")
+def check(cfg: Config) -> None:
+    if cfg.trainer.world_size != 1:
+        raise ValueError(f"trainer.world_size: the single backend runs one process, got {cfg.trainer.world_size}; "
+                         "use trainer.backend=fsdp or megatron to train on several")
+    resolve_device(cfg.trainer.device, "trainer.device")
 
 
 def build(cfg: Config, rank: RankInfo) -> SingleTrainer:
-    check(cfg.trainer)
+    check(cfg)
     device = resolve_device(cfg.trainer.device, "trainer.device")
     # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
     model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
