@@ -65,6 +65,10 @@ def _train(trainer, rank: int, steps: range, out: dict, ckpt: Path | None = None
             out["weights_3"] = trainer.state_dict()
         out.setdefault("stats", []).append(step(trainer, rank, _groups(s)))
     out["weights_end"] = trainer.state_dict()
+    source = trainer.weights()  # what a publish reads: gathered tensor by tensor, HF names, tied head an alias
+    out["published_end"] = {n: source.get(n).clone() for n in source.names} if rank == 0 else {}
+    out["published_aliases"] = dict(source.aliases)
+    source.close()
 
 
 def _logprob_errors() -> dict:
@@ -164,6 +168,10 @@ def test_megatron_tp2_equals_tp1(runs):
     _same(r0["tp2"], r0["dp2"]["stats"], r0["dp2"]["weights_end"])
     r1 = torch.load(runs / "rank1.pt", weights_only=False)["tp2"]
     assert r1["weights_end"] == {}  # full weights come to rank 0 only
+    published, want = r0["tp2"]["published_end"], r0["tp2"]["weights_end"]
+    assert r0["tp2"]["published_aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert list(published) == [n for n in want if n != "lm_head.weight"]
+    assert all(torch.equal(published[n], want[n]) for n in published)
     assert [s["train/loss"] for s in r1["stats"]] == [s["train/loss"] for s in r0["tp2"]["stats"]]
 
 

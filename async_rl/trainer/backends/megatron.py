@@ -54,6 +54,7 @@ from async_rl.trainer.batching import Batch
 from async_rl.trainer.checkpoint import HFTensors, TensorStream, hf_exporter, save_checkpoint
 from async_rl.trainer.trainer import score_mask
 from async_rl.utils.hardware import DtypeChoice, resolve_dtype
+from async_rl.utils.weights import WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,30 @@ class MegatronTrainer(SPMDTrainer):
         return parts if self.rank == 0 else None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the HF-named weights on rank 0 ({} elsewhere), for publishers that take a dict.
-        A streaming publisher should iterate `hf_tensors()` instead and hold one tensor at a time."""
+        """Collective: the HF-named weights on rank 0 ({} elsewhere): checkpoints' tests and tools."""
         return dict(self.hf_tensors())
+
+    def weights(self) -> WeightSource:
+        """Collective: the HF-named weights as a lazy source that rank 0 publishes tensor by tensor, each
+        gathered from its TP shards when read (the other ranks gather along in `close()`); a tied LM head
+        is an alias of the embedding, so it is gathered and sent once."""
+        specs = hf_specs(self.shape)
+        items = self.hf_tensors(tied_alias=False)
+        dtype = next(iter(self.by_name.values())).dtype
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.shape.tied else {}
+
+        def fetch(index: int) -> torch.Tensor | None:
+            if self.rank != 0:  # nothing is yielded here: the first read runs every gather, in order
+                for _ in items:
+                    pass
+                return None
+            name, t = next(items)
+            if name != specs[index][0]:
+                raise RuntimeError(f"megatron weights: {name} arrived where {specs[index][0]} was expected")
+            return t
+
+        return WeightSource([n for n, _ in specs], [dtype] * len(specs), [tuple(sh) for _, sh in specs], fetch,
+                            aliases, lazy=True)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, step: int, extra: dict[str, Any]) -> None:
