@@ -41,15 +41,16 @@ from async_rl.weight_sync import flat_bucket
 from async_rl.weight_sync.dist_publisher import DistWeightPublisher
 from async_rl.weight_sync.dist_receiver import DistWeightReceiver
 from async_rl.weight_sync.staging import WeightSyncError
+from tests import sglang_source
 
 ALPHABET = "0123456789+= "
 
 
 def sglang(module: str):
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23 plus its small pure-Python "
-                    "dependencies); its own request models / bucket class are what this test checks against")
-    return importlib.import_module(module)
+    """An sglang module as it imports on a CPU (tests/sglang_source.py: without the GPU stack)."""
+    if sglang_source.source_dir() is None:
+        pytest.skip(sglang_source.SKIP)
+    return sglang_source.load(module)
 
 
 def _trainer(seed: int = 0) -> PPOTrainer:
@@ -66,13 +67,14 @@ def _expected(trainer: PPOTrainer, dtype: torch.dtype) -> dict[str, torch.Tensor
 
 # --------------------------------------------------------------------------- request bodies
 def test_dist_request_bodies_pass_sglangs_request_models_in_session_order():
-    io = sglang("sglang.srt.managers.io_struct")
-    from pydantic import TypeAdapter
-
-    models = {"/init_weights_update_group": io.InitWeightsUpdateGroupReqInput,
-              "/begin_weight_update": io.BeginWeightUpdateReqInput,
-              "/update_weights_from_distributed": io.UpdateWeightsFromDistributedReqInput,
-              "/end_weight_update": io.EndWeightUpdateReqInput}
+    if sglang_source.source_dir() is None:
+        pytest.skip(sglang_source.SKIP)
+    io = sglang_source.io_struct_models("InitWeightsUpdateGroupReqInput", "BeginWeightUpdateReqInput",
+                                        "UpdateWeightsFromDistributedReqInput", "EndWeightUpdateReqInput")
+    models = {"/init_weights_update_group": io["InitWeightsUpdateGroupReqInput"],
+              "/begin_weight_update": io["BeginWeightUpdateReqInput"],
+              "/update_weights_from_distributed": io["UpdateWeightsFromDistributedReqInput"],
+              "/end_weight_update": io["EndWeightUpdateReqInput"]}
     calls: list[tuple[str, str, dict]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -105,7 +107,7 @@ def test_dist_request_bodies_pass_sglangs_request_models_in_session_order():
         assert [p for p, _ in mine] == (["/init_weights_update_group", "/begin_weight_update"]
                                         + ["/update_weights_from_distributed"] * len(buckets) + ["/end_weight_update"])
         for path, body in mine:
-            TypeAdapter(models[path]).validate_python(body)  # raises on a body SGLang's server would refuse (400)
+            sglang_source.validate(models[path], body)  # raises on a body SGLang's server would refuse (400)
         init, updates = mine[0][1], [b for p, b in mine if p == "/update_weights_from_distributed"]
         assert init["master_address"] == "10.0.0.9"  # the trainer bound a wildcard: the host we reached it at
         assert init["rank_offset"] == {"server0": 1, "server1": 3}[host]  # two TP ranks each
