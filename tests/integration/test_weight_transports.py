@@ -352,6 +352,7 @@ def test_sglang_style_trainer_per_tensor_broadcast_and_bad_requests(servers):
 
         sender = threading.Thread(target=broadcast_each)
         sender.start()
+        await http.begin_weight_update()  # SGLang 0.5.23 refuses the update outside this session
         body = await http.update_weights_from_distributed(
             names, [str(state[n].dtype) for n in names], [list(state[n].shape) for n in names], name, version)
         sender.join(20)
@@ -362,6 +363,9 @@ def test_sglang_style_trainer_per_tensor_broadcast_and_bad_requests(servers):
             await http.update_weights_from_distributed(names[:1], ["complex64"], [[1]], name, version + 1)
         with pytest.raises(ValueError, match="group_name: 'nope' is not initialised"):
             await http.update_weights_from_distributed(names[:1], ["float32"], [[1]], "nope", version + 1)
+        await http.end_weight_update()
+        with pytest.raises(ValueError, match="must run between begin_weight_update"):
+            await http.update_weights_from_distributed(names[:1], ["float32"], [[1]], name, version + 1)
         assert (await http.destroy_weights_update_group(name))["success"]
         weight_group.close(group)
         await http.close()
