@@ -65,8 +65,8 @@ class TaskConfig:
     ops: list[str] = field(default_factory=lambda: ["+"])  # operators to draw from
     prompt_format: str = "raw"  # raw ("2+3=") | chat (a question through the chat template)
     answer_pick: str = "last"  # which number of the response is the answer: last ("2+3=5") | first
-    eval_size: int = 64  # held-out problems for greedy accuracy before/after training
-    eval_seed: int = 12345  # seed of the held-out set (disjoint stream from training)
+    eval_size: int = 64  # held-out problems (distinct; at most a third of the task's problems), never trained on
+    eval_seed: int = 12345  # seed that picks the held-out problems
     agents: list[str] = field(default_factory=list)  # agent loops samples name, cycled per prompt; [] = task default
     interactions: list[str] = field(default_factory=list)  # interactions samples name, cycled; [] = task default
 
