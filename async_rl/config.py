@@ -78,8 +78,9 @@ class TaskConfig:
     ops: list[str] = field(default_factory=lambda: ["+"])  # operators to draw from
     prompt_format: str = "raw"  # raw ("2+3=") | chat (a question through the chat template)
     answer_pick: str = "last"  # which number of the response is the answer: last ("2+3=5") | first
-    eval_size: int = 64  # held-out problems for greedy accuracy before/after training
-    eval_seed: int = 12345  # seed of the held-out set (disjoint stream from training)
+    eval_size: int = 64  # held-out problems (distinct; at most a third of the task's problems), never trained on
+    eval_seed: int = 12345  # seed that picks the held-out problems
+    eval_targets: list[float] = field(default_factory=list)  # held-out accuracies whose time to reach the summary gives
     agents: list[str] = field(default_factory=list)  # agent loops samples name, cycled per prompt; [] = task default
     interactions: list[str] = field(default_factory=list)  # interactions samples name, cycled; [] = task default
 
@@ -357,6 +358,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.temperature: must be in [0, 100], got {cfg.rollout.temperature}")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p: must be in (0, 1], got {cfg.rollout.top_p}")
+    if not all(0 < t <= 1 for t in cfg.task.eval_targets):
+        raise ConfigError(f"task.eval_targets: accuracies must lie in (0, 1], got {cfg.task.eval_targets}")
     if cfg.task.min_operand > cfg.task.max_operand:
         raise ConfigError("task.min_operand: must be <= task.max_operand")
     if cfg.transport.curve_keys_dir:

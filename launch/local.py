@@ -190,6 +190,7 @@ class Supervisor:
 def summary(cfg: Config) -> list[str]:
     lines = []
     rows = read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")
+    rollout_rows = read_jsonl(Path(cfg.run_dir) / "rollout_metrics.jsonl")
     if rows:
         k = max(1, min(3, len(rows) // 3))
         first = sum(r.get("train/reward_mean") or 0 for r in rows[:k]) / k
@@ -198,27 +199,47 @@ def summary(cfg: Config) -> list[str]:
         lines.append(f"max staleness trained: {max(r.get('train/staleness_max') or 0 for r in rows)}; "
                      f"dropped stale: {sum(r.get('train/dropped_stale') or 0 for r in rows)}; "
                      f"interrupted trajectories: {sum(r.get('rollout/interrupted') or 0 for r in rows)}")
-        lines.append(f"wall time: {sum(r.get('timing/step_s') or 0 for r in rows):.1f}s in {len(rows)} train steps")
-    pool = read_jsonl(Path(cfg.run_dir) / "rollout_metrics.jsonl")[-1:]
+        lines.append(wall_line(rows, rollout_rows))
+    pool = rollout_rows[-1:]
     if pool and pool[0].get("pool/servers", 1) > 1:
         p = pool[0]
         lines.append(f"generation servers: {p['pool/servers']}, in rotation at the end: {p['pool/in_rotation']}; "
                      f"fenced {p['pool/fenced_total']} times, out of rotation {p['pool/unhealthy_total']} times; "
                      f"requests moved to another server: {p['pool/reissued']}")
+    return lines + eval_lines(cfg) + restart_lines(cfg.run_dir) + ledger_lines(cfg.run_dir)
+
+
+def wall_line(rows: list[dict], rollout_rows: list[dict]) -> str:
+    """Wall-clock time of training: from the first generation (or, without the rollout side's rows, the
+    start of the first train step) to the end of the last step; the time inside steps beside it."""
+    in_steps = sum(r.get("timing/step_s") or 0 for r in rows)
+    start = next((r["time"] for r in rollout_rows if "rollout/generation_started" in r), None)
+    since = "the first generation"
+    if start is None:
+        start, since = rows[0]["time"] - (rows[0].get("timing/step_s") or 0), "the first train step"
+    return (f"wall time: {rows[-1]['time'] - start:.1f}s from {since} to the end of the last of {len(rows)} "
+            f"train steps ({in_steps:.1f}s inside train steps)")
+
+
+def eval_lines(cfg: Config) -> list[str]:
+    """Held-out accuracy before and after, the curve during training, and the time to each of
+    `task.eval_targets`."""
+    lines = []
     all_evals = read_jsonl(Path(cfg.run_dir) / "eval.jsonl")
     evals = {r["when"]: r for r in all_evals}
     if "before" in evals and "after" in evals:
-        lines.append(f"greedy accuracy on {evals['before']['eval/n']} held-out problems: "
+        lines.append(f"greedy accuracy on {evals['before']['eval/n']} held-out problems (none trained on): "
                      f"before {evals['before']['eval/accuracy']:.3f} -> after {evals['after']['eval/accuracy']:.3f}")
     periodic = [r for r in all_evals if r["when"] == "periodic"]
     if periodic:
         curve = ", ".join(f"v{r['step']} {r['eval/accuracy']:.2f}" for r in periodic)
         lines.append(f"accuracy during training: {curve}")
-        for threshold in (0.70, 0.75):
-            hit = next((r for r in periodic if r["eval/accuracy"] >= threshold), None)
-            lines.append(f"time to accuracy >= {threshold:.2f}: " + (
-                f"{hit['timing/train_wall_s']:.0f}s of training (version {hit['step']})" if hit else "not reached"))
-    return lines + restart_lines(cfg.run_dir) + ledger_lines(cfg.run_dir)
+        for target in cfg.task.eval_targets:
+            hit = next((r for r in periodic if r["eval/accuracy"] >= target), None)
+            lines.append(f"time to accuracy >= {target:.2f}: " + (
+                f"{hit['timing/train_wall_s']:.0f}s of training, wall clock (version {hit['step']})" if hit
+                else "not reached"))
+    return lines
 
 
 def ledger_lines(run_dir: str) -> list[str]:

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
+from async_rl.agent import build_agent_context
 from async_rl.config import Config, resolve_secret
 from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import load_tokenizer
 from async_rl.placement import ROLLOUT, GpuSlot, for_process
 from async_rl.rollout.controller import RolloutController
-from async_rl.rollout.evaluate import evaluate
+from async_rl.rollout.evaluate import Evaluation
 from async_rl.rollout.periodic_eval import record_eval
 from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import ServerPool
@@ -92,13 +93,11 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
     try:
         await queue.connect(cfg.rollout.connect_timeout_s)
         joined_at = int(queue.trainer_state.get("policy_version", 0))
-        eval_set = task.eval_samples()
-        mc = cfg.rollout.max_concurrent
         evaluator = [PooledGenerationClient(pool, acquire_timeout_s=cfg.rollout.connect_timeout_s)]
+        evaluation = Evaluation.for_run(cfg, evaluator, tokenizer, task, build_agent_context(cfg.agent))
         if joined_at == 0:  # a side that joins a run in progress has no "before" to measure
             (Path(cfg.run_dir) / "eval.jsonl").unlink(missing_ok=True)
-            _record_eval(cfg, "before", 0, await evaluate(evaluator, tokenizer, task, eval_set,
-                                                          cfg.rollout.eval_max_new_tokens, mc))
+            _record_eval(cfg, "before", 0, await evaluation.run())
         outbox = Outbox(Path(cfg.run_dir) / "outbox", str(queue.trainer_state.get("run_id", "")))
         queue.on_acked = outbox.ack
         pending = _resendable(outbox, ledger, joined_at)
@@ -117,8 +116,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
         if controller.final_version is not None:
             ledger.record("untrained_at_end", outbox.open_ids())  # produced, never consumed (sent or not): reported
             outbox.clear()
-            _record_eval(cfg, "after", controller.final_version,
-                         await evaluate(evaluator, tokenizer, task, eval_set, cfg.rollout.eval_max_new_tokens, mc))
+            _record_eval(cfg, "after", controller.final_version, await evaluation.run())
     finally:
         if keeper:
             await keeper.close()

@@ -64,8 +64,11 @@ def build_agent_context(agent_cfg: Any, trace: Callable[[dict[str, Any]], None] 
     import_agent_modules(list(agent_cfg.modules))
     tools = load_tools(agent_cfg.tools_config) if agent_cfg.tools_config else {}
     if prepare:
-        for tool in tools.values():
-            tool.prepare()
+        for name, tool in tools.items():
+            try:
+                tool.prepare()
+            except ValueError as exc:
+                raise ValueError(f"agent.tools_config={agent_cfg.tools_config}: tool {name!r}: {exc}") from None
     interactions = load_interactions(agent_cfg.interactions_config) if agent_cfg.interactions_config else {}
     return AgentContext(config=agent_cfg, tools=tools, interactions=interactions,
                         tool_parser=build_tool_parser(agent_cfg.tool_parser), trace=trace)

@@ -4,8 +4,10 @@ Chat prompts go through the tokenizer's chat template (`async_rl.models.chat_pro
 with `tools` passed to it). Supported: `stream` (server-sent events, `stream_options.
 include_usage`), `usage`, `logprobs` + `top_logprobs`, `stop`, `max_tokens` /
 `max_completion_tokens`, `temperature`, `top_p`, `seed`, `n` (n > 1 only without
-streaming), and the vLLM/SGLang extensions `top_k`, `ignore_eos`, `stop_token_ids`.
-`presence_penalty`/`frequency_penalty` must be 0; other unknown fields are refused (400).
+streaming), `presence_penalty` / `frequency_penalty` (OpenAI's meaning and range [-2, 2]:
+minus the penalty once a token is in the output, minus it per occurrence; the reported
+log-probs stay the policy's), and the vLLM/SGLang extensions `top_k`, `ignore_eos`,
+`stop_token_ids`. Other unknown fields are refused (400).
 
 For RL, every answer also carries the exact tokens: `prompt_token_ids` (top level),
 and per choice `token_ids` and `meta_info` (per-token policy versions and log-probs, as
@@ -59,8 +61,8 @@ class _Common(Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
     top_k: StrictInt | None = None
     ignore_eos: bool = False
@@ -121,15 +123,13 @@ class _OpenAI:
 
     def sampling(self, req: _Common, prompt_len: int, max_new: int | None, top: int,
                  seed: int | None) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise ApiError(400, f"{name}: not supported by this server (must be 0)")
         if max_new is None:  # OpenAI's default: as long as the context allows
             max_new = max(1, min(self.engine.max_context - prompt_len, self.engine.max_new_tokens_limit))
         wire = {"max_new_tokens": max_new, "temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": -1 if req.top_k is None else req.top_k,
                 "stop": self.stops(req), "stop_token_ids": req.stop_token_ids or [], "ignore_eos": req.ignore_eos,
-                "seed": seed, "top_logprobs": top}
+                "seed": seed, "top_logprobs": top, "presence_penalty": req.presence_penalty,
+                "frequency_penalty": req.frequency_penalty}
         try:
             return SamplingParams.from_wire(wire)
         except ValueError as exc:

@@ -23,6 +23,7 @@ from async_rl.agent import as_trajectory, build_agent_context, build_agent_loop,
 from async_rl.agent.trace import TraceWriter
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
+from async_rl.rollout.evaluate import Evaluation
 from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.periodic_eval import PeriodicEval
 from async_rl.rollout.server_pool import ServerPool
@@ -86,9 +87,9 @@ class RolloutController:
         check_agent_names(self.agent_context, cfg.rollout.agent, task.names_used())
         self.periodic_eval: PeriodicEval | None = None
         if cfg.rollout.eval_every > 0:
-            self.periodic_eval = PeriodicEval(
-                cfg.rollout.eval_every, cfg.run_dir, PooledGenerationClient(self.pool, sticky=False), tokenizer, task,
-                task.eval_samples(), cfg.rollout.eval_max_new_tokens, cfg.rollout.max_concurrent)
+            untraced = dataclasses.replace(self.agent_context, trace=None)  # traces show training episodes
+            self.periodic_eval = PeriodicEval(cfg.rollout.eval_every, cfg.run_dir, Evaluation.for_run(
+                cfg, [PooledGenerationClient(self.pool, sticky=False)], tokenizer, task, untraced))
 
     # ------------------------------------------------------------------ one group
     async def _one(self, sample: Sample, group_id: str, index: int):

@@ -1,32 +1,73 @@
-"""Greedy accuracy of the current policy on a fixed held-out set, through the generation servers."""
+"""Greedy accuracy of the current policy on the task's held-out set, through the generation servers.
+
+Each held-out sample runs as one greedy episode (temperature 0) of its own agent loop
+(`sample.agent`, else `rollout.agent`), with the run's tools and simulated users: a multi-turn
+task is evaluated the way it is trained (tool calls run, users answer), not as one turn. A
+sample counts as solved when its episode earns the full reward (1); `eval/reward_mean` is the
+mean reward, which differs from the accuracy only for partial scores (an interaction's 0.5 for
+a second try).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from async_rl.agent.single_turn import prompt_ids_for
+from async_rl.agent import AgentContext, as_trajectory, build_agent_loop
+from async_rl.config import Config
 from async_rl.protocols import GenerationClient
 from async_rl.types import Sample, SamplingParams
 
 
 async def evaluate(clients: list[GenerationClient], tokenizer: Any, task: Any, samples: list[Sample],
-                   max_new_tokens: int, max_concurrent: int = 64) -> dict[str, float]:
-    """Fraction of `samples` answered exactly right by greedy decoding."""
+                   max_new_tokens: int, max_concurrent: int = 64, *, agent: str = "single_turn",
+                   context: AgentContext | None = None) -> dict[str, float]:
+    """Fraction of `samples` solved by greedy episodes (`max_new_tokens` per model turn); `agent` is
+    the loop of samples that name none, `context` the run's tools and interactions."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     slots = asyncio.Semaphore(max_concurrent)
 
     async def one(i: int, sample: Sample) -> tuple[float, int, list[int]]:
+        loop = build_agent_loop(sample.agent or agent, clients[i % len(clients)], tokenizer, task.reward, context)
         async with slots:
-            out = await clients[i % len(clients)].generate(prompt_ids_for(tokenizer, sample), params)
-        text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
-        return task.reward(sample, text), len(out.output_ids), list(out.output_versions)
+            traj = as_trajectory(await loop.run(sample, params, group_id=f"eval-{i}"), f"eval-{i}", sample)
+        sampled = traj.loss_mask.astype(bool)
+        return traj.reward, int(sampled.sum()), [int(v) for v in traj.versions[sampled]]
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
     n = max(len(results), 1)
     versions = [v for _, _, vs in results for v in vs]
-    return {"eval/accuracy": sum(r for r, _, _ in results) / n, "eval/n": len(results),
+    return {"eval/accuracy": sum(r >= 1.0 for r, _, _ in results) / n,
+            "eval/reward_mean": sum(r for r, _, _ in results) / n, "eval/n": len(results),
             "eval/response_len_mean": sum(l for _, l, _ in results) / n, "eval/seconds": time.perf_counter() - t0,
             "eval/version_min": min(versions, default=-1), "eval/version_max": max(versions, default=-1)}
+
+
+@dataclass
+class Evaluation:
+    """What every evaluation of a run shares: the held-out set, the clients, agent loops and limits."""
+
+    clients: list[GenerationClient]
+    tokenizer: Any
+    task: Any
+    context: AgentContext | None
+    max_new_tokens: int
+    max_concurrent: int
+    agent: str = "single_turn"
+
+    def __post_init__(self) -> None:
+        self.samples = self.task.eval_samples()
+
+    @classmethod
+    def for_run(cls, cfg: Config, clients: list[GenerationClient], tokenizer: Any, task: Any,
+                context: AgentContext | None) -> "Evaluation":
+        return cls(clients, tokenizer, task, context, cfg.rollout.eval_max_new_tokens, cfg.rollout.max_concurrent,
+                   cfg.rollout.agent)
+
+    async def run(self) -> dict[str, float]:
+        """Evaluate the policy the servers hold now."""
+        return await evaluate(self.clients, self.tokenizer, self.task, self.samples, self.max_new_tokens,
+                              self.max_concurrent, agent=self.agent, context=self.context)

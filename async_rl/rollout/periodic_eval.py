@@ -21,9 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from async_rl.protocols import GenerationClient
-from async_rl.rollout.evaluate import evaluate
-from async_rl.types import Sample
+from async_rl.rollout.evaluate import Evaluation
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +33,10 @@ def record_eval(run_dir: str | Path, row: dict[str, Any]) -> None:
 
 
 class PeriodicEval:
-    def __init__(self, every: int, run_dir: str | Path, client: GenerationClient, tokenizer: Any, task: Any,
-                 samples: list[Sample], max_new_tokens: int, max_concurrent: int):
+    def __init__(self, every: int, run_dir: str | Path, evaluation: Evaluation):
         self.every = every
         self.run_dir = run_dir
-        self.client, self.tokenizer, self.task, self.samples = client, tokenizer, task, samples
-        self.max_new_tokens, self.max_concurrent = max_new_tokens, max_concurrent
+        self.evaluation = evaluation
         self.started = time.perf_counter()
         self._running: asyncio.Task | None = None
 
@@ -58,8 +54,7 @@ class PeriodicEval:
         return self._running
 
     async def _run(self, version: int, wall_s: float) -> None:
-        stats = await evaluate([self.client], self.tokenizer, self.task, self.samples, self.max_new_tokens,
-                               self.max_concurrent)
+        stats = await self.evaluation.run()
         record_eval(self.run_dir, {"when": "periodic", "step": version, "policy_version": version,
                                    "timing/train_wall_s": wall_s, **stats})
         logger.info("eval v%d: accuracy %.3f (train wall %.0fs)", version, stats["eval/accuracy"], wall_s)

@@ -1,9 +1,19 @@
-"""What generated tasks share: a seeded stream of training samples, a fixed held-out set, and
-agent / interaction names cycled per prompt (`task.agents`, `task.interactions`)."""
+"""What generated tasks share: a seeded stream of training samples, a held-out set that the stream
+never repeats, and agent / interaction names cycled per prompt (`task.agents`, `task.interactions`).
+
+Held out means held out: the evaluation problems are `task.eval_size` distinct problems drawn
+with `task.eval_seed`, and the training stream skips every sample whose prompt is one of them, so
+no evaluation prompt is ever trained on. At most a third of a task's problem space is held out
+(`HELD_OUT_SHARE`), so a small space keeps most of its problems for training: the debug task's
+nine sums (operands 0..2) hold out three, never trained on, and its accuracy measures whether the
+model generalises to them.
+"""
 
 from __future__ import annotations
 
 import abc
+import functools
+import json
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -11,37 +21,75 @@ from typing import Any
 from async_rl.config import TaskConfig
 from async_rl.types import Sample
 
+HELD_OUT_SHARE = 3  # at most 1/HELD_OUT_SHARE of a task's distinct problems are held out for evaluation
+
 
 def cycled(names: list[str], i: int, default: str | None) -> str | None:
     """The i-th name of a list cycled per prompt, or the default when the list is empty."""
     return names[i % len(names)] if names else default
 
 
+def prompt_key(sample: Sample) -> str:
+    """What makes two samples the same problem for the model: the prompt it is shown."""
+    return sample.prompt if sample.prompt is not None else json.dumps(sample.messages, sort_keys=True)
+
+
 class GeneratedTask(abc.ABC):
-    """Subclasses implement `_make(rng, sample_id, index)`; training draws from the run's seed, the
-    held-out set from `task.eval_seed`. A sample names its agent loop (`agent_for`) and, where the
-    task or `task.interactions` names one, its simulated user (`interaction_for`)."""
+    """Subclasses implement `_make(rng, sample_id, index)` and `problem_count()`; training draws from
+    the run's seed, skipping the held-out problems (drawn from `task.eval_seed`). A sample names its
+    agent loop (`agent_for`) and, where the task or `task.interactions` names one, its simulated user
+    (`interaction_for`)."""
 
     default_agent: str | None = None  # None: the run's `rollout.agent`
     default_interaction: str | None = None  # None: no simulated user unless `task.interactions` names one
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
+        if self.problem_count() < HELD_OUT_SHARE:
+            raise ValueError(f"task.min_operand/max_operand: task {cfg.name!r} can make only {self.problem_count()} "
+                             f"distinct problems with operands {cfg.min_operand}..{cfg.max_operand}; at least "
+                             f"{HELD_OUT_SHARE} are needed to hold one out for evaluation and train on the rest")
 
     @abc.abstractmethod
     def _make(self, rng: random.Random, idx: str, i: int) -> Sample:
         ...
 
+    @abc.abstractmethod
+    def problem_count(self) -> int:
+        """How many distinct problems (prompts) the task's settings can make."""
+
+    @functools.cached_property
+    def _held_out(self) -> tuple[tuple[Sample, ...], frozenset[str]]:
+        size = min(self.cfg.eval_size, self.problem_count() // HELD_OUT_SHARE)
+        rng = random.Random(self.cfg.eval_seed)
+        samples: list[Sample] = []
+        keys: set[str] = set()
+        draws = 0
+        while len(samples) < size:
+            draws += 1
+            if draws > 1000 * size + 1000:  # a few times `size` draws in any space of 3 * size or more
+                raise RuntimeError(f"task {self.cfg.name!r}: drew no {size} distinct held-out problems "
+                                   f"(problem_count() says {self.problem_count()})")
+            sample = self._make(rng, f"eval-{len(samples)}", len(samples))
+            if prompt_key(sample) not in keys:
+                keys.add(prompt_key(sample))
+                samples.append(sample)
+        return tuple(samples), frozenset(keys)
+
     def train_samples(self, seed: int) -> Iterator[Sample]:
+        """The endless training stream of this seed: every problem but the held-out ones."""
+        held_out = self._held_out[1]
         rng = random.Random(seed)
         i = 0
         while True:
-            yield self._make(rng, f"train-{i}", i)
-            i += 1
+            sample = self._make(rng, f"train-{i}", i)
+            if prompt_key(sample) not in held_out:
+                yield sample
+                i += 1
 
     def eval_samples(self) -> list[Sample]:
-        rng = random.Random(self.cfg.eval_seed)
-        return [self._make(rng, f"eval-{i}", i) for i in range(self.cfg.eval_size)]
+        """The held-out set: `task.eval_size` distinct problems (fewer where a third of the space is fewer)."""
+        return list(self._held_out[0])
 
     def agent_for(self, i: int) -> str | None:
         return cycled(self.cfg.agents, i, self.default_agent)

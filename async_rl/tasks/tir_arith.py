@@ -12,9 +12,10 @@ often ignore them, so the system prompt carries everything the model needs. Samp
 on `tool_agent` (or the loops `task.agents` names, cycled per prompt); the reward is 1 when
 the last number of the final assistant turn equals the answer (`task.answer_pick`).
 
-The held-out set uses the same prompts. The built-in evaluation is single-turn (it does not
-run tools), so it measures answers the model writes without a tool result: a first turn that
-calls a tool scores 0 there.
+The held-out set is `task.eval_size` distinct problems (at most a third of the space) that the
+training stream never shows. The evaluation runs each of them as a greedy episode of its own
+agent loop with the run's tools, as in training: a first turn that calls a tool and a second
+that answers from its result scores 1.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import random
 
 from async_rl.config import TaskConfig
 from async_rl.rewards.math import exact_number_reward
+from async_rl.tasks.arith import operand_problems
 from async_rl.tasks.generated import GeneratedTask
 from async_rl.types import Sample
 
@@ -59,6 +61,9 @@ class TirArithTask(GeneratedTask):
         if unknown or not cfg.ops:
             raise ValueError(f"task.ops: unknown operator(s) {unknown or cfg.ops}; allowed: {sorted(_OPS)}")
         super().__init__(cfg)
+
+    def problem_count(self) -> int:
+        return operand_problems(self.cfg)
 
     def _make(self, rng: random.Random, idx: str, i: int) -> Sample:
         a = rng.randint(self.cfg.min_operand, self.cfg.max_operand)

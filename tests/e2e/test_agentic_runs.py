@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.e2e.admission import check_admission, gate_overrides
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "interaction_debug.yaml")
 # small and quick: 4 prompts x 4 samples per step, a short held-out set
@@ -34,9 +36,10 @@ def zero_spans_inside(mask: list[int]) -> int:
 
 def test_interaction_debug_run_is_multi_turn_with_traces(tmp_path):
     res = cli("run", "--config", CONFIG, f"run_dir={tmp_path}", "rollout.trace_every=1", "trainer.advantage=grpo_turn",
-              *QUICK)
+              *QUICK, *gate_overrides())
     assert res.returncode == 0, res.stderr[-3000:]
     rows = jsonl(tmp_path / "metrics.jsonl")
+    check_admission(rows, jsonl(tmp_path / "rollout_metrics.jsonl"), eta=2, batch=16)  # produced, arrived, dropped
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["train/staleness_max"] <= 2 for r in rows)
     assert any(r["rollout/agent/user_turns"] > 0 for r in rows)  # per-episode agent metrics reach the log
     trajs = jsonl(tmp_path / "trajectories.jsonl")

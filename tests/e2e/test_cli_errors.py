@@ -1,5 +1,6 @@
 """The command line answers bad input with one clear line and exit code 2, never a traceback or a hang."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,16 @@ def test_gpu_placement_mistakes_stop_before_any_process_starts(args, needle, tmp
     res = cli(command, "--config", DEBUG, f"run_dir={tmp_path}", *overrides, timeout=60)
     assert_one_line_error(res, needle)
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").glob("*.pid"))  # no child ever ran
+@pytest.mark.parametrize("command", ["run", "rollout"])
+def test_python_tool_without_isolation_is_refused_at_start_up(command, tmp_path):
+    """A container without bubblewrap and user namespaces (here: neither program on PATH): the
+    python tool under `isolation: auto` is refused in one line before any process starts."""
+    no_bwrap_no_unshare = {**os.environ, "PATH": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "launch.cli", command, "--config", AGENTIC, f"run_dir={tmp_path}",
+                          "transport.addr=tcp://127.0.0.1:9", "agent.tools_config=configs/tools/default.yaml"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, env=no_bwrap_no_unshare)
+    assert_one_line_error(res, "agent.tools_config=configs/tools/default.yaml: tool 'python': python tool refused: "
+                               "no isolation works on this machine (bwrap: `bwrap` is not installed; unshare: "
+                               "`unshare` is not installed); install bubblewrap or allow unprivileged user namespaces, "
+                               "or set `isolation: audit` in its config")
+    assert not (tmp_path / "logs" / "rollout.log").exists()

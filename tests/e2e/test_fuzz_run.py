@@ -15,12 +15,23 @@ of each: ZeroMQ drops none (the trainer's ROUTER has no receive limit and a DEAL
 its limit, so nothing is lost on the way; each socket's last message is a heartbeat whose answer
 shows all before it were handled); the trainer logs a line about them every 10s, not one per
 frame; every request got a 4xx answer (never 5xx, never a hang), counted by status in the
-server's /metrics; the reward rises as in runs of the same length without fuzz (30 steps, seed 0:
-mean reward of the first 6 steps 0.115 -> last 6 steps 0.560, greedy accuracy 0.000 -> 0.781;
-seed 1: 0.172 -> 0.578, 0.000 -> 0.703). Greedy accuracy after 30 steps spreads widely from run to
-run, since async batch order depends on timing: four runs of seed 0 without fuzz ended at 0.52,
-0.78, 0.83 and 1.00, one with fuzz at 0.47. The check asks for more than a constant answer gets
-(the commonest sum, 2, is about a third of the held-out problems).
+server's /metrics; the policy learns what the same run learns without fuzz.
+
+That last check is made deterministic. The debug task's learning sits on a plateau first: the
+policy answers the commonest sum (2) to every problem, a third of the reward, until it learns to
+tell the problems apart. With max_staleness=1 the batch order depends on timing (which late
+trajectories are dropped as stale, which weights sample which group): runs of seed 0 are identical
+for five steps, then diverge, and leave the plateau at different steps. Five runs of 30 steps
+without any fuzz ended at greedy accuracy 0.47, 0.70, 0.78, 0.80 and 0.91 (the old 64 evaluation
+problems), and a CI run with fuzz at 0.328, still on the plateau: 21 of those 64 sums are 2. The
+fuzz was not the cause. So this run is async at max_staleness=0 in float32: async at eta=0 trains
+exactly the trajectories sync does (per-request seeds, tests/e2e/test_reproducible.py) and float32
+keeps the sampled tokens independent of how the engine batched them, so it learns the same way
+every time: runs with and without fuzz had the same reward at every step (losses within 4e-8),
+0.167 over the first 6 steps -> 0.635 over the last 6 of 24, 1 of the 3 held-out sums answered
+(2 after 30 steps). Serialising generation and training makes a step slower, so the run is 24
+steps instead of 30: about as long as before (3m28s against 3m36s for the eta=1 test, one run each
+on a busy machine), still outlasting the fuzz (which ended at step 12-14).
 """
 
 from __future__ import annotations
@@ -41,7 +52,8 @@ from tests.e2e.fuzz_inputs import http_requests, queue_frames
 from tests.e2e.test_fencing import start, wait_for
 from tests.e2e.test_run import DEBUG, cli, metrics
 
-STEPS, BATCH = 30, 64  # the debug config's batch; 30 steps outlast the fuzz on a busy machine, with room
+STEPS, BATCH = 24, 64  # the debug config's batch; 24 steps at eta=0 outlast the fuzz on a busy machine, with room
+REPRODUCIBLE = ["max_staleness=0", "model.dtype=float32", "trainer.compute_dtype=float32"]  # learning as every run
 N_FRAMES, N_SOCKETS = 100_000, 4
 N_REQUESTS, N_CLIENTS, N_CONNECTIONS = 10_000, 4, 8
 
@@ -151,7 +163,8 @@ def fuzz_live_run(run_dir: Path, run) -> dict:
 
 @pytest.mark.slow
 def test_fuzzed_run_completes_unaffected(tmp_path: Path):
-    run = start("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={STEPS}", "log.progress=false")
+    run = start("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={STEPS}", "log.progress=false",
+                *REPRODUCIBLE)
     try:
         f = fuzz_live_run(tmp_path, run)
         out, err = run.communicate(timeout=240)
@@ -164,8 +177,8 @@ def test_fuzzed_run_completes_unaffected(tmp_path: Path):
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert [r["policy_version"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["train/num_trajectories"] + r["train/dropped_stale"] == BATCH and r["train/num_trajectories"] > 0
-               and r["train/skipped_batches"] == 0 for r in rows)  # a few over-stale drops are normal (async)
+    assert all(r["train/num_trajectories"] == BATCH and r["train/dropped_stale"] == 0
+               and r["train/skipped_batches"] == 0 for r in rows)  # at eta=0 nothing arrives over the bound
     audit = cli("audit", str(tmp_path), timeout=60)  # every trajectory produced is accounted for, once
     assert audit.returncode == 0 and "lost=0 duplicated=0" in audit.stdout, audit.stdout + audit.stderr
 
@@ -189,8 +202,8 @@ def test_fuzzed_run_completes_unaffected(tmp_path: Path):
     evals = {e["when"]: e for e in map(json.loads, (tmp_path / "eval.jsonl").read_text().splitlines())}
     print(f"reward first 6 steps {first:.3f} -> last 6 steps {final:.3f}; greedy accuracy "
           f"{evals['before']['eval/accuracy']:.3f} -> {evals['after']['eval/accuracy']:.3f}")
-    assert first < 0.3 and final > first + 0.2, rewards
-    assert evals["after"]["eval/accuracy"] >= 0.42 > evals["before"]["eval/accuracy"], evals
+    assert first < 0.3 and final > first + 0.35, rewards  # 0.167 -> 0.635 in every run of seed 0
+    assert evals["after"]["eval/accuracy"] > evals["before"]["eval/accuracy"], evals  # a held-out sum generalised
 
 
 def _rows(run_dir: Path) -> int:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from launch.common import free_port
+from tests.e2e.admission import check_arrived, check_produced, gate_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
@@ -46,7 +47,7 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
     addr = f"tcp://127.0.0.1:{free_port()}"
     common = ["--config", DEBUG, f"transport.addr={addr}", "total_steps=14", "weight_sync.transport=zmq",
               "log.progress=false", "transport.heartbeat_s=0.5", "transport.peer_timeout_s=3",
-              "max_staleness=1"]
+              "max_staleness=1", *gate_overrides()]
     train = _start("train", *common, f"run_dir={tmp_path / 't'}", log=tmp_path / "train.log")
     first = second = None
     try:
@@ -55,6 +56,9 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
         os.killpg(first.pid, signal.SIGKILL)  # the controller and its server, as a lost node
         first.wait(10)
         killed_at = len(_rows(tmp_path / "t" / "metrics.jsonl"))
+        # the killed side produced no more than the bound admits, and nothing arrived beyond it
+        check_produced(_rows(tmp_path / "r1" / "rollout_metrics.jsonl"), eta=1, batch=64)
+        check_arrived(_rows(tmp_path / "t" / "metrics.jsonl")[:killed_at], eta=1, batch=64)
         time.sleep(1.0)
         # the same run directory: its outbox holds what the killed side produced and never saw acknowledged
         second = _start("rollout", *common, f"run_dir={tmp_path / 'r1'}", log=tmp_path / "r2.log")
@@ -65,6 +69,9 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     rows = _rows(tmp_path / "t" / "metrics.jsonl")
+    # nor did the new side (what arrives after the kill includes the killed side's unacknowledged groups,
+    # sent again outside the new side's gate, so arrivals are checked up to the kill only)
+    check_produced(_rows(tmp_path / "r1" / "rollout_metrics.jsonl"), eta=1, batch=64)
     assert len(rows) == 14 and rows[-1]["policy_version"] == 14
     after = rows[killed_at:]
     # every step after the restart trained on data sampled within the staleness bound

@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from matplotlib.patches import Rectangle
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from async_rl.report import RunDirError, compare_runs, load_run, plot_curves, write_report
-from async_rl.report.panels import engine_idle_share
+from async_rl.report.panels import PANELS, draw_panel, engine_idle_share
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
@@ -25,10 +27,24 @@ def cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
 
 
 def assert_png(path: Path, min_px: int = 300) -> None:
+    """A PNG that shows data: axes, text and grid are black and grey, so a plot with nothing drawn on its
+    axes has (almost) no coloured pixel; every line, marker and bar the report draws is coloured."""
     with Image.open(path) as im:
         assert im.format == "PNG", path
         assert min(im.size) >= min_px, (path, im.size)
-        im.verify()
+        rgb = np.asarray(im.convert("RGB"), dtype=np.int16)  # [H, W, 3]
+    coloured = int(((rgb.max(axis=-1) - rgb.min(axis=-1)) > 60).sum())
+    assert coloured >= 800, f"{path.name}: {coloured} coloured pixels: no data drawn"  # a legend alone has ~170
+
+
+def plotted(fig) -> list[list[list[float]]]:
+    """Per axes of a figure: the y values of every line, then the heights of its bars (as one list)."""
+    out = []
+    for ax in fig.axes:
+        ys = [[float(y) for y in line.get_ydata()] for line in ax.lines]
+        bars = [float(p.get_height()) for p in ax.patches if isinstance(p, Rectangle)]
+        out.append(ys + ([bars] if bars else []))
+    return out
 
 
 def img_sources(index: Path) -> list[str]:
@@ -146,6 +162,21 @@ def test_every_panel_is_drawn_when_every_metric_is_there(tmp_path):
     for p in report.images:
         assert_png(p)
     assert "not drawn" not in report.index.read_text()
+
+
+def test_panels_plot_the_runs_own_numbers(tmp_path):
+    """What each main panel draws is the run's metrics, not merely some figure."""
+    run = load_run(synthetic_run(tmp_path / "full", steps=12, eta=2))
+    rewards = [s / 12 for s in range(12)]
+    reward_steps, reward_wall = plotted(draw_panel(run, PANELS["reward"]).figure)
+    assert rewards in reward_steps and rewards in reward_wall  # the raw points, under their trailing mean
+    assert plotted(draw_panel(run, PANELS["accuracy"]).figure)[0] == [[0.1, 0.4, 0.6]]
+    _, hist = plotted(draw_panel(run, PANELS["staleness"]).figure)
+    assert hist == [[12 * 8.0, 12 * 6.0, 12 * 2.0]]  # the whole-run histogram: every step's [8, 6, 2] summed
+    interrupted, update = plotted(draw_panel(run, PANELS["interruptions"]).figure)
+    assert interrupted == [[float(s % 2) for s in range(12)]] and update == [[0.1] * 12]
+    loss, grad = plotted(draw_panel(run, PANELS["optimisation"]).figure)
+    assert loss == [[0.1] * 12] and grad == [[1.0] * 12]
 
 
 def test_missing_metrics_skip_their_panel_and_say_so(tmp_path):

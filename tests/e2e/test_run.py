@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from launch.common import free_port
+from tests.e2e.admission import check_admission, gate_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
@@ -22,20 +23,28 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mode,eta", [("async", 1), ("async", 4), ("sync", 0)])
-def test_run_completes_within_staleness_bound(tmp_path, mode, eta):
+def rollout_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rollout_metrics.jsonl").read_text().splitlines()]
+
+
+# at eta=4 the queue's default capacity (4 batches) would bound what is produced by itself: a larger
+# one leaves the bound to the staleness gate, whose checks (admission.py) then fail without it
+@pytest.mark.parametrize("mode,eta,extra", [("async", 1, []), ("async", 4, ["transport.capacity=1024"]),
+                                            ("sync", 0, [])])
+def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
     steps = 6
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"mode={mode}", f"max_staleness={eta}",
-              f"total_steps={steps}", "log.progress=false", "rollout.eval_every=2")
+              f"total_steps={steps}", "log.progress=false", "rollout.eval_every=2", *extra, *gate_overrides())
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(tmp_path)
+    check_admission(rows, rollout_metrics(tmp_path), eta=eta, batch=64)  # what was produced, arrived and dropped
     assert [r["step"] for r in rows] == list(range(steps))
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         for key in ("train/reward_mean", "train/loss", "train/staleness_max", "train/dropped_stale",
                     "rollout/interrupted", "queue/depth", "timing/step_s"):
             assert key in r, key
-        assert r["train/staleness_max"] <= eta
+        assert r["train/staleness_max"] <= eta  # what was kept
     if mode == "sync":
         assert all(r["rollout/interrupted"] == 0 for r in rows)
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
@@ -50,7 +59,12 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta):
     assert audited.returncode == 0 and "lost=0 duplicated=0" in audited.stdout, audited.stdout + audited.stderr
     if mode == "sync":  # every checkpoint is also a plain Hugging Face model directory
         _loads_as_hf_model(tmp_path / "checkpoints" / f"step_{steps:06d}")
-    assert "greedy accuracy" in res.stdout
+    assert "greedy accuracy on 3 held-out problems" in res.stdout  # the debug task holds out 3 of its 9 sums
+    # the summary's wall time is the wall clock from the first generation to the last step's end, and
+    # no accuracy target is printed for a task whose config names none (task.eval_targets)
+    started = next(r["time"] for r in rollout_metrics(tmp_path) if "rollout/generation_started" in r)
+    assert f"wall time: {rows[-1]['time'] - started:.1f}s from the first generation" in res.stdout, res.stdout
+    assert "time to accuracy" not in res.stdout
 
 
 def test_train_and_rollout_started_separately(tmp_path):

@@ -30,7 +30,7 @@ def srv():
     model = load_model(ModelConfig(dtype="float32", tiny_alphabet=PRINTABLE), seed=0, tokenizer=tok)
     bg = BackgroundServer.for_model(model, tok, EngineConfig(kv_cache_mb=16), model_name="tiny-printable")
     client = openai.OpenAI(base_url=f"{bg.start()}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield SimpleNamespace(client=client, tok=tok, engine=bg.engine)
+    yield SimpleNamespace(client=client, tok=tok, engine=bg.engine, model=model)
     client.close()
     bg.stop()
 
@@ -124,6 +124,28 @@ def test_completions_from_text_and_from_token_ids(srv):
     assert [c.index for c in batch.choices] == [0, 1]
 
 
+def test_presence_and_frequency_penalties_steer_the_answer(srv):
+    """OpenAI's penalties reach the sampler: greedy with them is the model's own argmax after the
+    penalties (recomputed here from plain forward passes), and differs from greedy without them."""
+    presence, frequency, n = 1.5, 0.75, 12
+    kw = dict(max_tokens=n, logprobs=True, extra_body={"ignore_eos": True})
+    plain = chat(srv, **kw).choices[0].model_extra["token_ids"]
+    res = chat(srv, presence_penalty=presence, frequency_penalty=frequency, **kw)
+    got, prompt = res.choices[0].model_extra["token_ids"], res.model_extra["prompt_token_ids"]
+    expect, policy = [], []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = srv.model(torch.tensor([prompt + expect])).logits[0, -1].float()  # [V]
+        counts = torch.bincount(torch.tensor(expect, dtype=torch.long), minlength=logits.numel()).float()
+        token = int((logits - frequency * counts - presence * (counts > 0).float()).argmax())
+        expect.append(token)
+        policy.append(float(torch.log_softmax(logits, -1)[token]))
+    assert got == expect and got != plain
+    assert len(set(got)) > len(set(plain))  # the point of the penalties: fewer repeats
+    reported = [c.logprob for c in res.choices[0].logprobs.content]  # the policy's, not the penalised draw's
+    assert reported == pytest.approx(policy, abs=1e-4)
+
+
 BAD_CHAT = [
     (dict(temperature=500), "temperature"),
     (dict(messages=[]), "messages"),
@@ -135,7 +157,8 @@ BAD_CHAT = [
     (dict(max_tokens=10**9), "max_tokens"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(top_p=1.5), "top_p"),
-    (dict(presence_penalty=1.0), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(extra_body={"bogus": 1}), "bogus"),
     (dict(messages=[{"role": "user", "content": "x" * 600}]), "messages"),  # longer than the context
 ]

@@ -4,9 +4,10 @@ and YAML configuration behave as documented.
 
 The tool is built from a tools YAML (short limits), with a "run directory" holding a
 secret as protected dir. The main tests run under `isolation: auto` (bubblewrap where
-installed, else namespaces via `unshare` where allowed, else the audit-hook fallback) and
-again under `unshare` where auto chose bubblewrap; a second tool forces the fallback so the
-weaker mode is exercised wherever namespaces work.
+installed, else namespaces via `unshare` where allowed; skipped where neither works, since
+auto then refuses the tool) and again under `unshare` where auto chose bubblewrap; a second
+tool names `isolation: audit` (no isolation, an audit hook only) so that mode is exercised
+too. Without bwrap and unshare, auto refuses the tool in one line, and only `audit` by name runs.
 """
 
 import asyncio
@@ -78,8 +79,12 @@ def _build(tmp, isolation):
 
 @pytest.fixture(scope="module", params=["auto", "unshare"])
 def env(request, tmp_path_factory):
-    if request.param != "auto" and detect_isolation("auto", sys.executable).name in (request.param, "audit"):
-        pytest.skip(f"isolation: auto is {request.param} here, or namespaces are not allowed")
+    try:
+        auto = detect_isolation("auto", sys.executable).name
+    except ValueError:
+        pytest.skip("neither bubblewrap nor user namespaces work here: isolation: auto refuses the tool")
+    if request.param != "auto" and auto == request.param:
+        pytest.skip(f"isolation: auto is {request.param} here")
     tmp = tmp_path_factory.mktemp("sandbox")
     os.chmod(tmp, 0o755)
     tool = _build(tmp, request.param)
@@ -237,7 +242,7 @@ def test_bad_arguments_are_tool_errors(env):
 @pytest.mark.parametrize("code, causes", [
     ("import socket\nsocket.create_connection(('127.0.0.1', 1), timeout=1)", ["network access is disabled"]),
     ("open('/tmp/async_rl_sandbox_escape', 'w')", ["only the scratch directory is writable"]),
-    ("import subprocess\nsubprocess.run(['true'])", ["disabled in this sandbox (fallback mode)"]),
+    ("import subprocess\nsubprocess.run(['true'])", ["disabled in this sandbox (audit mode)"]),
     ("import os\nwhile True:\n    os.fork()", ["process limit", "fork is disabled"]),
     ("x = bytearray(10 * 1024**3)", ["memory limit"]),
 ])
@@ -257,6 +262,29 @@ def test_the_code_runs_as_a_throw_away_uid_without_capabilities(env):
                        "print(os.getuid(), status.split('CapEff:')[1].split()[0])")
     uid, cap_eff = result.text.split()
     assert int(uid) >= 10**9 and int(cap_eff, 16) == 0, result.text
+
+
+def test_without_bwrap_and_unshare_auto_refuses_the_tool_and_only_audit_by_name_runs(tmp_path, monkeypatch, caplog):
+    """The machine of a container without bubblewrap or user namespaces, as far as the probes can
+    tell: neither program is on PATH."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    detect_isolation.cache_clear()
+    try:
+        with pytest.raises(ValueError) as refused:
+            PythonTool(isolation="auto").prepare()
+        assert str(refused.value) == (
+            "python tool refused: no isolation works on this machine (bwrap: `bwrap` is not installed; unshare: "
+            "`unshare` is not installed); install bubblewrap or allow unprivileged user namespaces, or set "
+            "`isolation: audit` in its config to run model code with NO isolation (an audit hook and rlimits only)")
+        with caplog.at_level("WARNING", logger="async_rl.agent.tools.isolation"):
+            tool = PythonTool(isolation="audit", scratch_root=str(tmp_path / "scratch"))
+            tool.prepare()
+        assert tool.isolation.name == "audit" and "NO isolation" in caplog.text
+        asyncio.run(tool.create("ep"))
+        assert run(tool, "print(6 * 7)").text == "42"
+        asyncio.run(tool.release("ep"))
+    finally:
+        detect_isolation.cache_clear()  # the other tests probe the real machine again
 
 
 def test_auto_prefers_bubblewrap_where_it_works():

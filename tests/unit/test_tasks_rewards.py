@@ -1,10 +1,16 @@
-"""Arithmetic task and its exact-answer reward."""
+"""Arithmetic task and its exact-answer reward; every task's held-out set is never trained on."""
+
+import itertools
+from pathlib import Path
 
 import pytest
 
-from async_rl.config import TaskConfig
+from async_rl.config import TaskConfig, load_config
 from async_rl.rewards.math import exact_number_reward, last_number
 from async_rl.tasks import build_task
+from async_rl.tasks.generated import HELD_OUT_SHARE, prompt_key
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -30,7 +36,26 @@ def test_task_samples_are_deterministic_and_correct():
         assert int(s.answer) == int(x) + int(y)
         assert task.reward(s, s.answer) == 1.0
     held_out = task.eval_samples()
-    assert held_out == task.eval_samples() and len(held_out) == 64
+    assert held_out == task.eval_samples() and len(held_out) == 100 // HELD_OUT_SHARE  # a third of the 100 sums
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_held_out_problems_are_never_trained_on(path):
+    """For every shipped config: the evaluation problems are distinct, and no training stream (the run's
+    seed or another, from its start or from where a resumed run picks it up) ever shows one of them,
+    while it does show every other problem of a small space."""
+    cfg = load_config(path)
+    task = build_task(cfg.task)
+    held = [prompt_key(s) for s in task.eval_samples()]
+    expected = min(cfg.task.eval_size, task.problem_count() // HELD_OUT_SHARE)
+    assert len(set(held)) == len(held) == expected > 0
+    if path.stem == "smollm2_arith":
+        assert len(held) == 64  # `make demo` scores as many problems as before, none of them trained on
+    for seed in (cfg.seed, cfg.seed + 1):
+        trained = {prompt_key(s) for s in itertools.islice(task.train_samples(seed), 3000)}
+        assert not trained & set(held), f"{path.name}: trained on held-out problems {sorted(trained & set(held))[:3]}"
+        if task.problem_count() <= 1000:  # the rest of a small space is all trained on
+            assert len(trained) == task.problem_count() - len(held)
 
 
 def test_chat_format_and_bad_task():

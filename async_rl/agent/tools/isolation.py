@@ -1,6 +1,7 @@
 """How the `python` tool confines its child: the isolation modes, and which one this machine
 supports (probed once per process and interpreter, and logged once). `isolation: auto` takes
-the first that works, in this order:
+the first of the two isolating modes that works, in this order, and fails closed: where
+neither works the tool is refused with one line at start-up, never run unconfined:
 
 - `bwrap`: bubblewrap, where installed, builds the child's world: the host file system
   read-only, the episode's scratch directory the one writable place, protected dirs under
@@ -14,10 +15,11 @@ the first that works, in this order:
   runner itself hides protected dirs under empty tmpfs and remounts every mount read-only
   but the scratch dir; the pid namespace ends with the runner. Not root: a nested user
   namespace drops the capabilities. Root: the code runs as a throw-away uid.
-- `audit` (fallback, weaker): no namespaces. An audit hook in the child refuses sockets,
-  opens under protected dirs, writes outside scratch, and new programs (exec, subprocess)
-  and ctypes, which would escape it. Pure-Python code is held; native code (an extension
-  module doing its own syscalls) is not. rlimits still apply; as root the throw-away uid
+- `audit`: NO isolation, only when the config names it (`isolation: audit`). No namespaces:
+  an audit hook in the child refuses sockets, opens under protected dirs, writes outside
+  scratch, and new programs (exec, subprocess) and ctypes. An audit hook is not a security
+  boundary: pure-Python code is held, native code (an extension module doing its own
+  syscalls, or a crafted object) is not. rlimits still apply; as root the throw-away uid
   is used when the interpreter and scratch are reachable by other users, else the code
   keeps root's uid, which RLIMIT_NPROC does not limit, and the hook refuses fork too.
 
@@ -47,14 +49,15 @@ UID_RANGE = (1_000_000_000, 2_000_000_000)  # throw-away uids: far from real use
 
 
 class Isolation:
-    """The fallback: the runner alone, held by its audit hook (strict) and rlimits."""
+    """No isolation (`isolation: audit`, by name only): the runner alone, held by its audit hook
+    (strict) and rlimits."""
 
     name = "audit"
     program: str | None = None  # the executable the runner is started under (None: none)
     runner_mounts = False  # the runner itself hides dirs and makes mounts read-only (its own mount namespace)
     strict = True  # the audit hook also refuses exec, subprocess and ctypes
-    summary = ("FALLBACK, weaker: no namespaces; an audit hook refuses sockets, protected reads, writes outside "
-               "scratch, exec/subprocess/ctypes; rlimits")
+    summary = ("NO isolation (asked for by name): no namespaces; an audit hook, which is not a security boundary, "
+               "refuses sockets, protected reads, writes outside scratch, exec/subprocess/ctypes; rlimits")
 
     @property
     def namespaces(self) -> bool:
@@ -137,8 +140,8 @@ class BwrapIsolation(Isolation):
         return tops, args
 
 
-ISOLATIONS: dict[str, Isolation] = {iso.name: iso for iso in  # tried in this order by isolation: auto
-                                    (BwrapIsolation(), UnshareIsolation(), Isolation())}
+ISOLATIONS: dict[str, Isolation] = {iso.name: iso for iso in (BwrapIsolation(), UnshareIsolation(), Isolation())}
+AUTO = [name for name, iso in ISOLATIONS.items() if iso.namespaces]  # tried in this order by isolation: auto
 
 
 def new_uid() -> int:
@@ -191,19 +194,24 @@ def _probe(iso: Isolation, python: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def detect_isolation(choice: str, python: str) -> Isolation:
-    """The isolation to use: `choice` if it works here, or for "auto" the first in ISOLATIONS that does."""
+    """The isolation to use: `choice` if it works here, or for "auto" the first in AUTO that does.
+    "auto" never ends in `audit` (no isolation): where no isolating mode works it is an error."""
     if choice != "auto" and choice not in ISOLATIONS:
         raise ValueError(f"python tool config: isolation must be 'auto' or one of {sorted(ISOLATIONS)}, "
                          f"got {choice!r}")
     reasons = {}
-    for name in (list(ISOLATIONS) if choice == "auto" else [choice]):
+    for name in (AUTO if choice == "auto" else [choice]):
         iso = ISOLATIONS[name]
         why = _probe(iso, python)
         if why is None:
-            log = logger.warning if iso.strict else logger.info
+            log = logger.warning if not iso.namespaces else logger.info
             log("python tool isolation: %s (%s)%s", name, iso.summary,
                 "".join(f"; {n} unavailable: {r}" for n, r in reasons.items()))
             return iso
         reasons[name] = why
-    raise ValueError("python tool: no isolation mode works on this machine: "
-                     + "; ".join(f"{n}: {r}" for n, r in reasons.items()))
+    why = "; ".join(f"{n}: {r}" for n, r in reasons.items())
+    if choice == "auto":
+        raise ValueError(f"python tool refused: no isolation works on this machine ({why}); install bubblewrap or "
+                         "allow unprivileged user namespaces, or set `isolation: audit` in its config to run model "
+                         "code with NO isolation (an audit hook and rlimits only)")
+    raise ValueError(f"python tool: isolation {choice!r} does not work on this machine ({why})")

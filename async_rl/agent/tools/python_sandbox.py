@@ -3,12 +3,12 @@
 Each call starts `sandbox_runner.py` under the isolation chosen once per process (see
 `ISOLATIONS`): bubblewrap where installed, else Linux namespaces through util-linux
 `unshare` (either way: no network, the host file system read-only with only the episode's
-scratch directory writable and the protected directories hidden, own pid space) when the
-machine allows, else a documented weaker fallback (an audit hook in the child). In every
-mode: rlimits on CPU, address space, file size and processes, a wall-clock kill of the
-whole process group, capped output, and every failure returned to the model as
-`ToolResult(error=True)` naming the cause. Calls run as asyncio
-subprocesses, so many episodes share one event loop.
+scratch directory writable and the protected directories hidden, own pid space). Where the
+machine allows neither, the tool is refused at start-up, unless its config names
+`isolation: audit`: NO isolation, an audit hook in the child only. In every mode: rlimits on
+CPU, address space, file size and processes, a wall-clock kill of the whole process group,
+capped output, and every failure returned to the model as `ToolResult(error=True)` naming the
+cause. Calls run as asyncio subprocesses, so many episodes share one event loop.
 
     tools:
       - name: python
@@ -53,7 +53,7 @@ class PythonSandboxConfig:
     max_concurrent: int = 16  # calls of this tool running at once; more wait for a slot
     scratch_root: str = ""  # per-episode scratch directories go here; "" = <system temp>/async_rl_sandbox
     protected_dirs: list[str] = field(default_factory=list)  # never readable from the code (e.g. the run dir)
-    isolation: str = "auto"  # "auto" (best that works here) or a name in isolation.ISOLATIONS
+    isolation: str = "auto"  # "auto" (bwrap, else unshare; refused if neither works) or bwrap | unshare | audit (NONE)
     python: str = ""  # interpreter that runs the code; "" = the one running this process
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ installation when it sits in a directory the throw-away uid could not enter (e.g
 and remounts every mount read-only except the scratch directory (bwrap does all this
 itself, before the runner starts). It then forks the worker, which sets rlimits, drops
 privileges (a throw-away uid when root, a nested user namespace otherwise), sets no_new_privs,
-installs an audit hook (second layer; the only file/network guard in the fallback mode),
+installs an audit hook (second layer; the only file/network guard in `audit` mode),
 and execs the code as `__main__` in the scratch directory.
 
 Exit status: the worker's (0 ok, 1 the code raised, or an `EXIT_*` code), or 128 + the
@@ -48,7 +48,7 @@ PATH_READ_EVENTS = {"open", "os.listdir", "os.scandir"}  # refused under protect
 PATH_WRITE_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.symlink", "os.link", "os.chmod",
                      "os.chown", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "os.mkfifo",
                      "os.mknod", "os.setxattr", "os.removexattr"}
-# refused only in the fallback mode: ways around an audit hook (new programs, raw memory)
+# refused only in `audit` mode (no isolation): ways around an audit hook (new programs, raw memory)
 STRICT_PREFIXES = ("os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.", "ctypes.")
 
 
@@ -180,9 +180,9 @@ def make_audit_hook(s: dict):
         if event.startswith("socket."):
             raise PermissionError(errno.EACCES, f"network access is disabled in this sandbox ({event})")
         if no_fork and event in ("os.fork", "os.forkpty"):
-            raise PermissionError(errno.EAGAIN, "fork is disabled in this sandbox (fallback mode as root)")
+            raise PermissionError(errno.EAGAIN, "fork is disabled in this sandbox (audit mode as root)")
         if strict and event.startswith(STRICT_PREFIXES):
-            raise PermissionError(errno.EACCES, f"{event} is disabled in this sandbox (fallback mode)")
+            raise PermissionError(errno.EACCES, f"{event} is disabled in this sandbox (audit mode)")
         if (event in PATH_READ_EVENTS or event in PATH_WRITE_EVENTS) and args and isinstance(args[0], (str, bytes)):
             path = os.path.realpath(os.fsdecode(args[0]))
             if any(inside(path, d) for d in protected):
