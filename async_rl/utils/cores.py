@@ -48,6 +48,8 @@ class CoreShare:
         self.slot = slot
         self._map = _open_map(Path(path))
         self._threads = 0
+        self._thread_s = 0.0  # integral of this process's torch threads over time (timings per core count)
+        self._since = time.perf_counter()
         self._dead: set[int] = set()
         self._checked = 0.0
         base = slot * _FIELDS
@@ -91,9 +93,18 @@ class CoreShare:
         """Set torch's intra-op threads to what is free now (only when it changed); return it."""
         n = self.lent_to_me()
         if n != self._threads:
+            self.thread_seconds()
             torch.set_num_threads(n)
             self._threads = n
         return n
+
+    def thread_seconds(self) -> float:
+        """Thread-seconds this process has run with so far: the difference over a span divided by the
+        span is its mean core count then (a calibration of the simulator needs it: async_rl/sim)."""
+        now = time.perf_counter()
+        self._thread_s += self._threads * (now - self._since)
+        self._since = now
+        return self._thread_s
 
     def busy(self) -> int:
         self._set(_BUSY)
