@@ -26,6 +26,11 @@ _NEED = {"gpu": ("bf16_tflops", "hbm_tb_s", "memory_gb"), "model": ("params", "l
 
 def _number(section: dict, key: str, where: str) -> float:
     value = section.get(key)
+    if isinstance(value, str):  # YAML 1.1 reads 1.78e9 (no dot before the e, no sign) as text
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{where}.{key}: expected a number > 0, got {value!r}")
     return float(value)

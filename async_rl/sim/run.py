@@ -14,7 +14,7 @@ Placements:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -55,6 +55,7 @@ class SimResult:
     warmup: int
     servers: int
     arrivals: list[int] = field(default_factory=list)
+    scale: int = 1  # simulated at 1/scale of the units and the batch (same load per server): counts x scale
     restarted: int = 0
     skipped: int = 0
     events: int = 0
@@ -66,7 +67,7 @@ class SimResult:
 
     @property
     def trained(self) -> int:
-        return sum(r.kept for r in self.records)
+        return sum(r.kept for r in self.records) * self.scale
 
     @property
     def traj_per_s(self) -> float:
@@ -75,7 +76,7 @@ class SimResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return sum(r.tokens for r in self.records) / self.wall_s
+        return sum(r.tokens for r in self.records) * self.scale / self.wall_s
 
     def _window(self) -> tuple[list[StepRecord], float]:
         w = min(self.warmup, len(self.records) - 2)
@@ -84,7 +85,7 @@ class SimResult:
     @property
     def steady_traj_per_s(self) -> float:
         rows, span = self._window()
-        return sum(r.kept for r in rows) / span
+        return sum(r.kept for r in rows) * self.scale / span
 
     @property
     def trainer_idle(self) -> float:
@@ -101,7 +102,7 @@ class SimResult:
     @property
     def staleness_hist(self) -> list[int]:
         """Every arrival by the lag of its oldest token (batches dropped whole included); last bin > eta."""
-        return self.arrivals
+        return [n * self.scale for n in self.arrivals]
 
     @property
     def interrupted_frac(self) -> float:
@@ -112,6 +113,36 @@ def sim_config(profile: Profile, overrides: list[str] = ()) -> Config:
     """The real Config of a simulated run: the profile's workload keys, then `overrides`."""
     items = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in profile.config.items()]
     return load_config(None, [*items, *overrides])
+
+
+def scale_down(profile: Profile, cfg: Config, placements: list[Placement], min_batch: int = 512) -> int:
+    """The largest power of 2 that divides every placement's pools (in whole servers), the batch (in whole
+    groups) and keeps at least `min_batch` trajectories a batch: a GPU run simulated at 1/scale of its
+    units and batch has the same load per server and per trainer GPU, at 1/scale of the events."""
+    if profile.units != "gpu":
+        return 1
+    tp, b, n = profile.engine.units, cfg.trainer.batch_size, cfg.rollout.group_size
+    k = 1
+    while True:
+        k2 = 2 * k
+        fits = b % (k2 * n) == 0 and b // k2 >= min_batch and all(
+            p.total % (k2 * tp) == 0 if p.kind == "shared" else p.rollout % (k2 * tp) == 0 and p.trainer % k2 == 0
+            for p in placements)
+        if not fits:
+            return k
+        k = k2
+
+
+def simulate_scaled(profile: Profile, cfg: Config, placement: Placement, scale: int, seed: int = 0) -> SimResult:
+    """`simulate` at 1/scale of the units and the batch (see scale_down); counts come back multiplied."""
+    if scale == 1:
+        return simulate(profile, cfg, placement, seed)
+    small = Placement(placement.kind, placement.rollout // scale, placement.trainer // scale, placement.total // scale)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, batch_size=cfg.trainer.batch_size // scale),
+                  rollout=replace(cfg.rollout, max_concurrent=max(1, cfg.rollout.max_concurrent // scale)))
+    result = simulate(profile, cfg, small, seed)
+    result.placement, result.scale = placement, scale
+    return result
 
 
 def simulate(profile: Profile, cfg: Config, placement: Placement, seed: int = 0, warmup: int = 3) -> SimResult:

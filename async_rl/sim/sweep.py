@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from async_rl.sim.profile import Profile
-from async_rl.sim.run import Placement, SimResult, sim_config, simulate
+from async_rl.sim.run import Placement, SimResult, scale_down, sim_config, simulate_scaled
 
 
 def parse_splits(text: str, profile: Profile, units: int) -> list[Placement]:
@@ -68,6 +68,7 @@ class Sweep:
     unit_name: str
     baseline: SimResult
     results: list[SimResult] = field(default_factory=list)
+    scale: int = 1  # simulated at 1/scale of the units and batch (run.scale_down)
 
     def gain(self, r: SimResult) -> float:
         return r.traj_per_s / self.baseline.traj_per_s
@@ -87,8 +88,9 @@ class Sweep:
 def run_sweep(profile: Profile, units: int, etas: list[int], splits: list[Placement], steps: int = 20,
               seed: int = 0, overrides: list[str] = (), progress=None) -> Sweep:
     base_cfg = sim_config(profile, [*overrides, "mode=sync", f"total_steps={steps}"])
+    scale = scale_down(profile, base_cfg, [Placement.shared(units), *splits])
     sweep = Sweep(units, "GPUs" if profile.units == "gpu" else "cores",
-                  simulate(profile, base_cfg, Placement.shared(units), seed))
+                  simulate_scaled(profile, base_cfg, Placement.shared(units), scale, seed), scale=scale)
     for placement in splits:
         for eta in etas:
             if progress is not None:
@@ -96,7 +98,7 @@ def run_sweep(profile: Profile, units: int, etas: list[int], splits: list[Placem
             if placement.kind == "shared" and profile.units == "gpu":
                 continue  # only sync is modelled on shared GPUs: that is the baseline
             cfg = sim_config(profile, [*overrides, "mode=async", f"max_staleness={eta}", f"total_steps={steps}"])
-            sweep.results.append(simulate(profile, cfg, placement, seed))
+            sweep.results.append(simulate_scaled(profile, cfg, placement, scale, seed))
     if not sweep.results:
         raise ValueError("--split: nothing to simulate (shared GPUs only run sync: give ROLLOUT:TRAINER splits)")
     return sweep
@@ -120,4 +122,7 @@ def table(sweep: Sweep) -> str:
             f"{r.steady_traj_per_s:.3g} | {r.wall_s / len(r.records):.3g} | {mean_staleness(r):.2f} | "
             f"{r.staleness_hist[-1]} | {100 * r.trainer_idle:.0f}% | {100 * r.engine_idle:.0f}% | "
             f"{100 * r.interrupted_frac:.0f}% | {r.restarted} |")
+    if sweep.scale > 1:
+        lines.append(f"\nSimulated at 1/{sweep.scale} of the {sweep.unit_name} and of the batch (the same load per "
+                     "server and per trainer GPU); counts and trajectories/s are scaled back up.")
     return "\n".join(lines)
