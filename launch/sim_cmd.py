@@ -1,7 +1,7 @@
 """`async-rl sim`: predict a run before renting the GPUs (async_rl/sim).
 
     async-rl sim --profile configs/sim/areal_h800_r1distill_1p5b.yaml --gpus 64 --eta 0,1,2,4,8 --split auto
-    async-rl sim calibrate RUN_DIR [--out PROFILE.yaml]
+    async-rl sim calibrate RUN_DIR [RUN_DIR...] [--out PROFILE.yaml]
 
 The first prints a table (every split and eta against sync on all the GPUs), draws the plots
 (OUT/sim.png) and recommends a split and an eta; the second writes a profile measured on a run.
@@ -16,8 +16,9 @@ from pathlib import Path
 def add_parser(sub: argparse._SubParsersAction) -> None:
     text = "simulate a run: the pool split and staleness bound to choose, or calibrate a profile on a run"
     p = sub.add_parser("sim", help=text, description=text)
-    p.add_argument("words", nargs="*", metavar="calibrate RUN_DIR | key=value",
-                   help="`calibrate RUN_DIR` writes a profile from a run; otherwise config overrides of the workload")
+    p.add_argument("words", nargs="*", metavar="calibrate RUN_DIR... | key=value",
+                   help="`calibrate RUN_DIR [RUN_DIR...]` writes a profile from runs (pooled); otherwise config "
+                        "overrides of the workload")
     p.add_argument("--profile", "-p", help="profile YAML (configs/sim/, or one `sim calibrate` wrote)")
     p.add_argument("--gpus", type=int, default=None, help="units to split (GPUs; cores for a CPU profile)")
     p.add_argument("--eta", default="0,1,2,4,8", help="max_staleness values, comma-separated")
@@ -40,11 +41,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     from async_rl.sim.calibrate import calibrate
     from async_rl.sim.profile import save_profile
 
-    if len(args.words) != 2:
-        raise ValueError("sim calibrate: expected one RUN_DIR (async-rl sim calibrate RUN_DIR [--out PROFILE.yaml])")
-    run_dir = Path(args.words[1])
-    profile = calibrate(run_dir)
-    out = save_profile(profile, args.out or run_dir / "sim_profile.yaml")
+    if len(args.words) < 2:
+        raise ValueError("sim calibrate: expected a RUN_DIR (async-rl sim calibrate RUN_DIR [RUN_DIR...] "
+                         "[--out PROFILE.yaml])")
+    run_dirs = [Path(w) for w in args.words[1:]]
+    profile = calibrate(*run_dirs)
+    out = save_profile(profile, args.out or run_dirs[0] / "sim_profile.yaml")
     e, t = profile.engine, profile.trainer
     print(f"engine: {1e3 * e.step_base_s:.2f} ms/step + {1e3 * e.per_seq_s:.3f} ms/sequence + "
           f"{1e6 * e.per_ctx_token_s:.3f} us/context token + {1e6 * e.per_prefill_token_s:.2f} us/prompt token "

@@ -1,6 +1,7 @@
-"""`async-rl sim calibrate RUN_DIR`: a profile from a run's own metrics.
+"""`async-rl sim calibrate RUN_DIR [RUN_DIR...]`: a profile from a run's own metrics.
 
-    profile = calibrate("runs/bench/pools_sync_0")
+    profile = calibrate("runs/bench/pools_sync_0")                                # one run
+    profile = calibrate("runs/bench/pools_sync_0", "runs/bench/shared_sync_0")   # pooled: 1 and 2 cores
     save_profile(profile, "configs/sim/cpu_bench.yaml")
 
 - engine: the servers' step timings by (torch threads, batch) (`engine/step_t*` sums in
@@ -35,8 +36,39 @@ CONFIG_KEYS = ("mode", "max_staleness", "total_steps", "trainer.batch_size", "ro
                "engine.max_running", "engine.max_tokens_per_step")
 
 
-def calibrate(run_dir: str | Path) -> Profile:
-    run = Path(run_dir)
+def calibrate(*run_dirs: str | Path) -> Profile:
+    """A profile from one run, or from several (their engine steps, train steps and lengths pooled; the
+    workload settings and `measured` are the first run's): e.g. a run pinned to one core and one on all
+    cores show how speed grows with cores."""
+    if not run_dirs:
+        raise ValueError("sim calibrate: expected at least one RUN_DIR")
+    runs = [_read(Path(d)) for d in run_dirs]
+    run, cfg, rows, rollout_rows = runs[0]
+    sums: dict[tuple[int, int, str], float] = defaultdict(float)
+    for _, _, _, more in runs:
+        for key, value in _last_profile(more).items():
+            sums[key] += value
+    engine, engine_fit = _engine(dict(sums), cfg)
+    trainer, trainer_fit = _trainer([r for _, _, rs, _ in runs for r in (rs[1:] if len(rs) > 2 else rs)])
+    updates = [r["sync/update_s"] for _, _, _, more in runs for r in more if "sync/update_s" in r]
+    sync = SyncProfile(publish_s=_median([r.get("timing/publish_s", 0.0) for _, _, rs, _ in runs for r in rs]),
+                       load_s=_median(updates), recompute=True)
+    lengths = [int(n) for _, _, rs, _ in runs for r in rs for n in r["train/response_lens"]]
+    prompt = max(1, round(float(np.mean([r.get("train/prompt_len_mean", 1.0) for r in rows]))))
+    config = {key: _get(cfg, key) for key in CONFIG_KEYS}
+    return Profile(
+        name=f"calibrated:{'+'.join(r[0].name for r in runs)}",
+        units="gpu" if cfg.engine.device.startswith("cuda") else "core",
+        sources=[f"async-rl sim calibrate {r}: {len(rs)} train steps, "
+                 f"{int(sum(v for k, v in _last_profile(more).items() if k[2] == 'n'))} engine steps"
+                 for r, _, rs, more in runs],
+        engine=engine, trainer=trainer, sync=sync,
+        response=LengthDist(kind="empirical", samples=lengths, max=cfg.rollout.max_new_tokens),
+        prompt_len=prompt, config=config, measured={**_measured(run, rows, rollout_rows, cfg), **engine_fit,
+                                                    **trainer_fit})
+
+
+def _read(run: Path) -> tuple[Path, Any, list[dict], list[dict]]:
     if not (run / "config.yaml").is_file() or not (run / "metrics.jsonl").is_file():
         raise ValueError(f"{run}: not a run directory (needs config.yaml and metrics.jsonl)")
     cfg = config_from_yaml_text((run / "config.yaml").read_text())
@@ -44,23 +76,7 @@ def calibrate(run_dir: str | Path) -> Profile:
     if len(rows) < 2 or "train/response_lens" not in rows[-1]:
         raise ValueError(f"{run}: too few train steps with the metrics a calibration needs "
                          "(train/response_lens, train/batch_tokens: a run of this version, at least 2 steps)")
-    rollout_rows = read_jsonl(run / "rollout_metrics.jsonl")
-    engine, engine_fit = _engine(rollout_rows, cfg)
-    trainer, trainer_fit = _trainer(rows[1:] if len(rows) > 2 else rows)  # the first step pays one-off costs
-    updates = [r["sync/update_s"] for r in rollout_rows if "sync/update_s" in r]
-    sync = SyncProfile(publish_s=_median([r.get("timing/publish_s", 0.0) for r in rows]),
-                       load_s=_median(updates), recompute=True)
-    lengths = [int(n) for r in rows for n in r["train/response_lens"]]
-    prompt = max(1, round(float(np.mean([r.get("train/prompt_len_mean", 1.0) for r in rows]))))
-    config = {key: _get(cfg, key) for key in CONFIG_KEYS}
-    return Profile(
-        name=f"calibrated:{run.name}", units="gpu" if cfg.engine.device.startswith("cuda") else "core",
-        sources=[f"async-rl sim calibrate {run}: {len(rows)} train steps, "
-                 f"{int(sum(v for k, v in _last_profile(rollout_rows).items() if k[2] == 'n'))} engine steps"],
-        engine=engine, trainer=trainer, sync=sync,
-        response=LengthDist(kind="empirical", samples=lengths, max=cfg.rollout.max_new_tokens),
-        prompt_len=prompt, config=config, measured={**_measured(run, rows, rollout_rows, cfg), **engine_fit,
-                                                    **trainer_fit})
+    return run, cfg, rows, read_jsonl(run / "rollout_metrics.jsonl")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -86,8 +102,7 @@ def _last_profile(rollout_rows: list[dict]) -> dict[tuple[int, int, str], float]
     return {}
 
 
-def _engine(rollout_rows: list[dict], cfg: Any) -> tuple[EngineProfile, dict]:
-    sums = _last_profile(rollout_rows)
+def _engine(sums: dict[tuple[int, int, str], float], cfg: Any) -> tuple[EngineProfile, dict]:
     if not sums:
         raise ValueError("rollout_metrics.jsonl: no engine/step_* timings (a run of an older version, "
                          "or a server that is not the embedded engine)")

@@ -87,6 +87,8 @@ class Sweep:
 
 def run_sweep(profile: Profile, units: int, etas: list[int], splits: list[Placement], steps: int = 20,
               seed: int = 0, overrides: list[str] = (), progress=None) -> Sweep:
+    if profile.units == "gpu" and all(p.kind == "shared" for p in splits):
+        raise ValueError("--split: nothing to simulate (shared GPUs only run sync: give ROLLOUT:TRAINER splits)")
     base_cfg = sim_config(profile, [*overrides, "mode=sync", f"total_steps={steps}"])
     scale = scale_down(profile, base_cfg, [Placement.shared(units), *splits])
     sweep = Sweep(units, "GPUs" if profile.units == "gpu" else "cores",
@@ -99,8 +101,6 @@ def run_sweep(profile: Profile, units: int, etas: list[int], splits: list[Placem
                 continue  # only sync is modelled on shared GPUs: that is the baseline
             cfg = sim_config(profile, [*overrides, "mode=async", f"max_staleness={eta}", f"total_steps={steps}"])
             sweep.results.append(simulate_scaled(profile, cfg, placement, scale, seed))
-    if not sweep.results:
-        raise ValueError("--split: nothing to simulate (shared GPUs only run sync: give ROLLOUT:TRAINER splits)")
     return sweep
 
 
