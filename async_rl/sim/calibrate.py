@@ -7,7 +7,8 @@
 - engine: the servers' step timings by (torch threads, batch) (`engine/step_t*` sums in
   rollout_metrics.jsonl) fitted, by non-negative least squares, to
   seconds = step_base_s + per_seq_s x seqs + per_ctx_token_s x context + per_prefill_token_s x prompt tokens
-  at the thread count most steps ran with; steps on other thread counts give `scaling`;
+  at the thread count most steps ran with; steps on other thread counts give `scaling` (negative when more
+  threads ran slower: oversubscribed cores, as on a machine busy with other work);
 - trainer: `timing/train_s` against `train/batch_tokens` (and `timing/train_threads`, for `scaling`);
 - sync: the trainer's `timing/publish_s` and the rollout side's `sync/update_s` (median);
 - lengths: every arrival's `train/response_lens` (empirical), `train/prompt_len_mean`;
@@ -128,7 +129,8 @@ def _trainer(rows: list[dict]) -> tuple[TrainerProfile, dict]:
     threads = np.array([r.get("timing/train_threads", 1.0) for r in rows])
     tokens = np.array([r["train/batch_tokens"] for r in rows], dtype=float)
     secs = np.array([r["timing/train_s"] for r in rows], dtype=float)
-    ref = int(round(float(np.median(threads))))
+    counts = np.bincount(np.rint(threads).astype(int))
+    ref = int(np.argmax(counts))  # the thread count most steps ran with (the fewest on a tie)
     near = np.abs(threads - ref) < 0.25
     x, y = tokens[near], secs[near]
     if len(x) >= 4 and np.std(x) > 0.1 * np.mean(x):  # lengths vary enough to tell overhead from per-token cost
@@ -140,7 +142,7 @@ def _trainer(rows: list[dict]) -> tuple[TrainerProfile, dict]:
     scaling, seen = 1.0, bool(others.sum() >= 2)
     if seen:  # speed on t threads relative to ref = predicted / measured; scaling = log(speed) / log(t / ref)
         logs = np.log(predict[others] / secs[others]) / np.log(threads[others] / ref)
-        scaling = float(np.clip(np.median(logs), 0.0, 1.5))
+        scaling = float(np.clip(np.median(logs), -3.0, 1.5))
     return (TrainerProfile(step_overhead_s=float(overhead), per_token_s=float(per_token), units=ref, scaling=scaling),
             {"trainer_threads_seen": sorted({round(float(t), 1) for t in threads}), "trainer_scaling_measured": seen})
 
@@ -156,7 +158,7 @@ def _scaling(data: dict[int, np.ndarray], ref: int, predict, actual, weight) -> 
         weights.append(n)
     if not logs:
         return 1.0, False
-    return float(np.clip(np.average(logs, weights=weights), 0.0, 1.5)), True
+    return float(np.clip(np.average(logs, weights=weights), -3.0, 1.5)), True
 
 
 def _nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
