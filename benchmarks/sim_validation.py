@@ -19,6 +19,7 @@ AReaL's 2.77x (1.5B, 128 H800) and the shape of its eta sweep; verl's fully-asyn
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,6 @@ def placement_of(run_dir: Path) -> Placement:
     cfg = config_from_yaml_text((run_dir / "config.yaml").read_text())
     if cfg.cores.engine or cfg.cores.trainer:
         return Placement.pools(len(cfg.cores.engine), len(cfg.cores.trainer))
-    import os
-
     return Placement.shared(len(os.sched_getaffinity(0)))
 
 
@@ -103,6 +102,12 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
                      f"{error} | "
                      f"{shares(r['measured_hist'])} | {shares(r['predicted_staleness_hist'])} |")
     errors = [r["error"] for r in rows if "error" in r and r["setting"] != "sync"]
+    slowdown = []  # what the model leaves out: a side slowed down by the other running at once on this machine
+    for setup in sorted({r["setup"] for r in rows}):
+        per_token = {r["setting"]: _train_s_per_token(BENCH / r["run"]) for r in rows if r["setup"] == setup}
+        for setting, value in per_token.items():
+            if setting != "sync" and "sync" in per_token:
+                slowdown.append(f"{setup} {setting} {value / per_token['sync']:.1f}x")
     e, t = profile.engine, profile.trainer
     text = "\n".join(lines) + (
         f"\n\nCalibrated on {', '.join(f'`runs/bench/{c}`' for c in args.calibrate_on)} only: engine {1e3 * e.step_base_s:.1f} ms/step + "
@@ -115,8 +120,19 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
         f"{len(profile.response.samples)} response lengths (mean {np.mean(profile.response.samples):.1f}). "
         f"Predictions average {args.seeds} seeds. Error of the async / sync ratio: "
         + (f"mean {100 * np.mean(errors):.0f}%, max {100 * max(errors):.0f}% over {len(errors)} settings "
-           f"(target: 10%)." if errors else "no async settings."))
+           f"(target: 10%)." if errors else "no async settings.")
+        + (f" Train step time per batch token in the async runs against the same set-up's sync run: "
+           f"{', '.join(slowdown)} (the model trains at the calibrated speed whatever the other side does); load "
+           f"average when this was written: {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores."
+           if slowdown else ""))
     return text, rows
+
+
+def _train_s_per_token(run_dir: Path) -> float:
+    from async_rl.utils.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl")[1:] if r.get("train/batch_tokens")]
+    return float(np.mean([r["timing/train_s"] / r["train/batch_tokens"] for r in rows])) if rows else float("nan")
 
 
 def main() -> None:
@@ -136,7 +152,9 @@ def main() -> None:
     if not args.reuse:
         run_benchmark(args)
     machine_text, rows = this_machine(args)
-    sections = ["## This machine: calibrated on one run, predicting the others\n\n" + machine_text]
+    reused = ("The runs were made earlier (`--reuse`): " + ", ".join(
+        f"{r['run']} {r['measured']:.1f} traj/s" for r in rows) + ".\n\n") if args.reuse else ""
+    sections = ["## This machine: calibrated on the sync runs, predicting the async ones\n\n" + reused + machine_text]
     data = {"this_machine": rows}
     if not args.skip_publications:
         for name, section in (("areal", areal_section), ("verl", verl_section)):
