@@ -6,6 +6,8 @@
     async-rl serve   --config C [key=value ...]   one generation server alone
     async-rl report  RUN_DIR [--out DIR]          PNG plots + one HTML page of a run (RUN_DIR/report)
     async-rl keys    --out DIR                    CURVE key pairs for transport.curve_keys_dir
+    async-rl sim     --profile P --gpus 64 --eta 0,1,2,4,8 --split auto   predict the split and eta to run
+    async-rl sim     calibrate RUN_DIR            a simulator profile measured on a run
 
 Every failure the user can cause (missing config, unknown key, wrong type, unreachable
 address, a child process dying) ends as one `error: ...` line and exit code 2.
@@ -47,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     text = "CURVE key pairs (trainer and rollout side) for transport.curve_keys_dir"
     p = sub.add_parser("keys", help=text, description=text)
     p.add_argument("--out", "-o", required=True, help="a new directory for the keys (never overwritten)")
+    from launch.sim_cmd import add_parser
+
+    add_parser(sub)
     return parser
 
 
@@ -164,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             return _keys(args.out)
         if args.command == "audit":
             return _audit(args.run_dirs)
+        if args.command == "sim":
+            from launch.sim_cmd import sim_main
+
+            return sim_main(args)
         cfg = _load(args)
         setup_logging(cfg.log.level, cfg.run_dir, "launcher", console_level="WARNING")
         return _dispatch(args.command, cfg)

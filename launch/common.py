@@ -13,19 +13,15 @@ import torch
 from async_rl.config import Config
 from async_rl.placement import SIDES, Placement, gpus_here, place
 from async_rl.trainer.backends import get_backend
-from async_rl.utils.cores import CoreShare
+from async_rl.utils.cores import CoreShare, base_share
 from async_rl.utils.hardware import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 
 def effective_threads(configured: int, mode: str) -> int:
-    """Torch threads for one process: as configured, else half the cores when rollout and
-    trainer run at once (async), all of them when they take turns (sync)."""
-    if configured > 0:
-        return configured
-    cores = os.cpu_count() or 1
-    return cores if mode == "sync" else max(1, cores // 2)
+    """Torch threads for one process on this machine (utils/cores.py: base_share)."""
+    return base_share(configured, mode, os.cpu_count() or 1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

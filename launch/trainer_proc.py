@@ -178,7 +178,9 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
                 _log_trajectories(traj_log, groups, step)
             kept, stale, future = split_by_age([t for g in groups for t in g], trainer.policy_version,
                                                train_staleness(cfg))
+            t_train, thread_s = time.perf_counter(), cores.thread_seconds() if cores is not None else 0.0
             stats = trainer.train_step(groups)
+            stats["timing/train_threads"] = _mean_threads(cores, thread_s, time.perf_counter() - t_train)
             if stats.get("train/skipped_batch"):
                 skipped += 1
                 book.consume(step, [], stale, future)
@@ -210,6 +212,13 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
         if traj_log is not None:
             traj_log.close()
         queue.close()
+
+
+def _mean_threads(cores, thread_s: float, span_s: float) -> float:
+    """Torch threads the step ran with, on average (cores lent while the engine waits change it)."""
+    if cores is None or span_s <= 0:
+        return float(torch.get_num_threads())
+    return (cores.thread_seconds() - thread_s) / span_s
 
 
 def _checkpoint(trainer, run_dir: Path, step: int, cfg: Config, policy: CheckpointPolicy,

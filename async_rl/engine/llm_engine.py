@@ -73,6 +73,9 @@ class LLMEngine:
         self._aborted: list[Sequence] = []  # finished by abort_request, reported by the next step()
         self._recent: deque[tuple[float, int]] = deque(maxlen=64)  # (step seconds, tokens sampled)
         self._recomputed_tokens = 0
+        # step timings by (torch threads, sequences sampled rounded down to a power of 2): the
+        # simulator's calibration fits its engine model to these (async_rl/sim/calibrate.py)
+        self._profile: dict[tuple[int, int], list[float]] = {}
         logger.info("engine: %d KV blocks of %d tokens (%.1f MB), max_running=%d, max_tokens_per_step=%d",
                     num_blocks, config.block_size, num_blocks * per_block / 2**20, config.max_running,
                     config.max_tokens_per_step)
@@ -161,14 +164,27 @@ class LLMEngine:
         logits = self.runner.run(chunks)  # [S, V]
         self.block_manager.commit()
         sampling = [c for c in chunks if c.samples]
+        row = self._record(chunks, sampling)
         result = self.sampler(logits, [c.seq.params for c in sampling], [c.seq.generator for c in sampling],
                               [c.seq for c in sampling]) if sampling else None
         for c in chunks:
             self._account(c)
         for i, c in enumerate(sampling):
             outputs.append(self._append(c.seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i]))
-        self._recent.append((time.perf_counter() - t0, len(sampling)))
+        seconds = time.perf_counter() - t0
+        self._recent.append((seconds, len(sampling)))
+        row[1] += seconds
         return outputs
+
+    def _record(self, chunks: list[ScheduledChunk], sampling: list[ScheduledChunk]) -> list[float]:
+        """Count this step's shape in its profile bucket; the caller adds the step's seconds (row[1])."""
+        key = (torch.get_num_threads(), 1 << (len(sampling).bit_length() - 1) if sampling else 0)
+        row = self._profile.setdefault(key, [0.0] * 5)
+        row[0] += 1
+        row[2] += len(sampling)
+        row[3] += sum(c.start + c.length for c in sampling)  # context the sampled sequences attend to
+        row[4] += sum(c.length for c in chunks) - sum(1 for c in sampling if c.length == 1)  # prompt, recompute
+        return row
 
     def _account(self, chunk: ScheduledChunk) -> None:
         seq = chunk.seq
@@ -281,4 +297,9 @@ class LLMEngine:
             "engine/tokens_per_s": sum(n for _, n in self._recent) / secs if secs > 0 else 0.0,
             "engine/preemptions": float(sched.num_preemptions),
             "engine/recomputed_tokens": float(self._recomputed_tokens),
+            **{f"engine/step_t{t}_b{b}_{field}": value for (t, b), row in self._profile.items()
+               for field, value in zip(STEP_FIELDS, row)},
         }
+
+
+STEP_FIELDS = ("n", "s", "seqs", "ctx", "prefill")  # steps, seconds, sequences sampled, their context, prefill tokens

@@ -60,8 +60,7 @@ class RolloutController:
         self.metrics = metrics
         self.ledger = ledger  # trajectory ids produced / abandoned (async_rl/utils/ledger.py)
         self.weights = weights or DiskWeightReceiver()  # turns a "weights" control message into loaded servers
-        eta = 0 if cfg.mode == "sync" else cfg.max_staleness
-        self.gate = StalenessGate(cfg.trainer.batch_size, eta)
+        self.gate = StalenessGate.for_config(cfg)
         self.slots = asyncio.Semaphore(cfg.rollout.max_concurrent)
         self.params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -123,8 +122,8 @@ class RolloutController:
         is aborted and its sample starts again under `version` (the slot and the gate's count stay)."""
         if not self.cfg.rollout.restart_stale:
             return
-        for attempt, started in list(self._attempts.items()):
-            if version - started > self.gate.max_staleness and not attempt.done():
+        for attempt in self.gate.stale_attempts(self._attempts, version):
+            if not attempt.done():
                 attempt.cancel()
                 self.restarted_stale += 1
 

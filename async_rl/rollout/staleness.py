@@ -5,11 +5,22 @@ trajectories are ever admitted. Since the trainer consumes B per version, any ad
 trajectory is trained at most eta versions after the version it started under; the
 trainer still drops (and counts) anything older as a second line of defence.
 eta = 0 is synchronous-equivalent on-policy training.
+
+These rules are pure and clock-free, so the rollout controller (under asyncio) and the
+simulator (`async_rl/sim`, under a simulated clock) call the same code: `for_config`
+(which bound a run uses), `try_admit` (admission) and `stale_attempts` (which generations
+went too stale to be trained).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import TypeVar
+
+from async_rl.config import Config
+
+T = TypeVar("T")
 
 
 class StalenessGate:
@@ -23,6 +34,11 @@ class StalenessGate:
         self.version = version
         self.admitted = 0
         self._changed = asyncio.Event()
+
+    @classmethod
+    def for_config(cls, cfg: Config) -> "StalenessGate":
+        """The gate of a run: sync mode takes turns (eta 0), async allows `max_staleness`."""
+        return cls(cfg.trainer.batch_size, 0 if cfg.mode == "sync" else cfg.max_staleness)
 
     @property
     def limit(self) -> int:
@@ -57,15 +73,27 @@ class StalenessGate:
             self.version = version
             self._changed.set()
 
-    async def wait_admit(self, k: int) -> None:
-        """Wait until `k` more trajectories fit under the bound, then admit them."""
+    def try_admit(self, k: int) -> bool:
+        """Admit `k` more trajectories if they fit under the bound now; ValueError if they never can."""
         if k > (self.max_staleness + 1) * self.batch_size:
             raise ValueError(f"a unit of {k} trajectories can never fit under the staleness bound "
                              f"(eta + 1) * B = {(self.max_staleness + 1) * self.batch_size}")
-        while not self.can_admit(k):
+        if not self.can_admit(k):
+            return False
+        self.admit(k)
+        return True
+
+    async def wait_admit(self, k: int) -> None:
+        """Wait until `k` more trajectories fit under the bound, then admit them."""
+        while not self.try_admit(k):
             self._changed.clear()
             await self._changed.wait()
-        self.admit(k)
+
+    def stale_attempts(self, started: Mapping[T, int], version: int) -> list[T]:
+        """Of generations in flight (each -> the version it started under), those begun more than
+        max_staleness versions before `version`: once `version` is loaded they can no longer be
+        trained (the trainer is at `version` or later and drops them)."""
+        return [a for a, v in started.items() if version - v > self.max_staleness]
 
     def stats(self) -> dict[str, float]:
         return {"rollout/admitted": self.admitted, "rollout/gate_limit": self.limit,

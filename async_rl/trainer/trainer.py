@@ -153,6 +153,9 @@ class PPOTrainer:
             "train/reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
             "train/reward_std": float(rewards.std()) if len(trajs) else 0.0,
             "train/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "train/response_lens": lengths,  # every arrival's length: the simulator's length distribution
+            "train/prompt_len_mean": float(np.mean([len(t.prompt_ids) for t in trajs])) if trajs else 0.0,
+            "train/batch_tokens": float(sum(len(t.prompt_ids) + len(t.response_ids) for t in kept)),
             "train/num_trajectories": float(len(kept)),
             "rollout/interrupted": float(sum(1 for t in trajs if t.num_interruptions > 0)),
         }

@@ -56,6 +56,17 @@ from async_rl.utils.prompts import PromptSet, prompt_of
 logger = logging.getLogger(__name__)
 
 
+def take_groups(buffer: deque, num_trajectories: int) -> list:
+    """The trainer's batch: whole groups from the front of `buffer` (arrival order) until they
+    total >= num_trajectories (the caller checked that many are buffered). Pure, so the
+    simulator (`async_rl/sim`) batches by the same rule."""
+    groups, taken = [], 0
+    while taken < num_trajectories:
+        groups.append(buffer.popleft())
+        taken += len(groups[-1])
+    return groups
+
+
 class TrajectoryQueueServer:
     """Trainer side. One background thread owns the ROUTER socket; every public method is thread-safe.
 
@@ -134,10 +145,8 @@ class TrajectoryQueueServer:
                     raise QueueTimeout(f"trajectory queue at {self.address}: {self._buffered}/{num_trajectories} "
                                        f"trajectories buffered after {timeout:g}s")
                 self._cond.wait(left)
-            groups, taken = [], 0
-            while taken < num_trajectories:
-                groups.append(self._buffer.popleft())
-                taken += len(groups[-1])
+            groups = take_groups(self._buffer, num_trajectories)
+            taken = sum(len(g) for g in groups)
             self._buffered -= taken
             ids = [t.id for g in groups for t in g]
             if ack:

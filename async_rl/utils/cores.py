@@ -39,6 +39,20 @@ _FIELDS = 6  # per slot: state (0 = absent, 1 = idle, 2 = busy), share, pid (4 b
 _ABSENT, _IDLE, _BUSY = 0, 1, 2
 
 
+def base_share(configured: int, mode: str, cores: int) -> int:
+    """Cores one process of a machine with `cores` takes as its own: as configured, else half of
+    them when rollout and trainer run at once (async), all of them when they take turns (sync).
+    The simulator (async_rl/sim) shares its simulated cores by the same rule."""
+    if configured > 0:
+        return configured
+    return cores if mode == "sync" else max(1, cores // 2)
+
+
+def lent(share: int, total: int, busy_shares: list[int]) -> int:
+    """Cores a process with base `share` may use now: all that the busy others' shares leave, at least its own."""
+    return max(share, total - sum(busy_shares))
+
+
 class CoreShare:
     def __init__(self, path: str | os.PathLike, slot: int, share: int, total: int | None = None):
         if not 0 <= slot < SLOTS:
@@ -48,6 +62,8 @@ class CoreShare:
         self.slot = slot
         self._map = _open_map(Path(path))
         self._threads = 0
+        self._thread_s = 0.0  # integral of this process's torch threads over time (timings per core count)
+        self._since = time.perf_counter()
         self._dead: set[int] = set()
         self._checked = 0.0
         base = slot * _FIELDS
@@ -84,16 +100,24 @@ class CoreShare:
         if now - self._checked > 1.0:  # a process killed while busy must not hold its cores forever
             self._checked = now
             self._dead = {s for s in busy if not _alive(struct.unpack("<I", raw[s * _FIELDS + 2:s * _FIELDS + 6])[0])}
-        taken = sum(raw[s * _FIELDS + 1] for s in busy if s not in self._dead)
-        return max(self.share, self.total - taken)
+        return lent(self.share, self.total, [raw[s * _FIELDS + 1] for s in busy if s not in self._dead])
 
     def refresh(self) -> int:
         """Set torch's intra-op threads to what is free now (only when it changed); return it."""
         n = self.lent_to_me()
         if n != self._threads:
+            self.thread_seconds()
             torch.set_num_threads(n)
             self._threads = n
         return n
+
+    def thread_seconds(self) -> float:
+        """Thread-seconds this process has run with so far: the difference over a span divided by the
+        span is its mean core count then (a calibration of the simulator needs it: async_rl/sim)."""
+        now = time.perf_counter()
+        self._thread_s += self._threads * (now - self._since)
+        self._since = now
+        return self._thread_s
 
     def busy(self) -> int:
         self._set(_BUSY)

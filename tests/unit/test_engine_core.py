@@ -328,3 +328,19 @@ def test_engine_on_gpu_matches_hf(model, tok):
     for rid, (prompt, _) in reqs.items():
         ref = hf_logprobs(model, prompt, outs[rid].output_ids, 1.0)
         assert max(abs(a - b) for a, b in zip(ref, outs[rid].output_logprobs)) <= 1e-3, rid
+
+
+def test_step_profile_counts_every_step_by_threads_and_batch(model, tok):
+    """The simulator's calibration reads these sums: steps, seconds, sequences sampled, their context
+    and prompt tokens, by (torch threads, sequences sampled rounded down to a power of 2)."""
+    engine = make_engine(model, tok)
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True)
+    run(engine, {f"r{i}": (tok.encode("abcd"), params) for i in range(3)})
+    prompt = len(tok.encode("abcd"))
+    stats = {k.removeprefix("engine/step_"): v for k, v in engine.stats().items() if k.startswith("engine/step_t")}
+    threads = torch.get_num_threads()
+    assert set(stats) == {f"t{threads}_b2_{f}" for f in ("n", "s", "seqs", "ctx", "prefill")}
+    assert stats[f"t{threads}_b2_n"] == 5 and stats[f"t{threads}_b2_seqs"] == 15
+    assert stats[f"t{threads}_b2_prefill"] == 3 * prompt
+    assert stats[f"t{threads}_b2_ctx"] == 3 * sum(prompt + k for k in range(5))
+    assert stats[f"t{threads}_b2_s"] > 0

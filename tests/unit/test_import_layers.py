@@ -18,6 +18,8 @@ ALLOWED = {
     "weight_sync": BASE,
     "report": BASE,  # reads run directories; knows no component
     "placement": {"config"},  # which GPUs each pool uses: a pure function of the config, asked by the launchers
+    # the simulator drives the real admission, batching and staleness rules (rollout, transport, trainer)
+    "sim": BASE | {"rollout", "transport", "trainer"},
 }
 
 

@@ -58,3 +58,26 @@ def test_versions_only_move_forward():
     gate = StalenessGate(batch_size=4, max_staleness=0, version=3)
     gate.set_version(1)
     assert gate.version == 3
+
+
+def test_stale_attempts_are_those_begun_more_than_eta_versions_before():
+    gate = StalenessGate(batch_size=4, max_staleness=1)
+    started = {"a": 0, "b": 1, "c": 2, "d": 3}
+    assert gate.stale_attempts(started, 3) == ["a", "b"]
+    assert gate.stale_attempts(started, 2) == ["a"]
+    assert StalenessGate(4, 0).stale_attempts(started, 3) == ["a", "b", "c"]
+
+
+def test_try_admit_admits_only_what_fits_and_refuses_a_unit_that_never_can():
+    gate = StalenessGate(batch_size=4, max_staleness=0)
+    assert gate.try_admit(4) and gate.admitted == 4
+    assert not gate.try_admit(4) and gate.admitted == 4
+    with pytest.raises(ValueError, match="never fit"):
+        gate.try_admit(5)
+
+
+def test_for_config_forces_eta_zero_in_sync_mode():
+    from async_rl.config import load_config
+
+    assert StalenessGate.for_config(load_config(None, ["mode=async", "max_staleness=3"])).max_staleness == 3
+    assert StalenessGate.for_config(load_config(None, ["mode=sync", "max_staleness=3"])).max_staleness == 0

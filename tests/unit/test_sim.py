@@ -1,0 +1,107 @@
+"""The simulator: closed-form step times, and proof that it runs the real admission and staleness rules.
+
+A profile with constant lengths and no overheads can be worked out by hand: with B trajectories of
+L tokens decoded together at `a` seconds per sequence per step, generating a batch takes G = L a B;
+training it takes T = c B (P + L) at `c` seconds per token. Sync alternates: every step takes G + T.
+Async on separate pools overlaps them: once the pipeline is full a step takes max(G, T).
+"""
+
+import pytest
+
+from async_rl.rollout.staleness import StalenessGate
+from async_rl.sim import Placement, profile_from_dict, sim_config, simulate
+
+B, N, L, P = 32, 8, 50, 10
+A, C = 1e-3, 1e-4  # seconds per sequence per decode step; seconds per trained token
+
+
+def profile(per_token_s=C, length=L, **engine):
+    return profile_from_dict({
+        "units": "core", "prompt_len": P, "response": {"kind": "constant", "value": length},
+        "engine": {"per_seq_s": A, "max_running": 100_000, "max_tokens_per_step": 1_000_000, **engine},
+        "trainer": {"per_token_s": per_token_s},
+        "config": {"trainer.batch_size": B, "rollout.group_size": N, "rollout.max_concurrent": 100_000}})
+
+
+def run(p, mode, eta, steps=12, placement=Placement.pools(1, 1)):
+    return simulate(p, sim_config(p, [f"mode={mode}", f"max_staleness={eta}", f"total_steps={steps}"]), placement)
+
+
+def test_sync_takes_generation_plus_training_every_step():
+    g, t = L * A * B, C * B * (P + L)
+    result = run(profile(), "sync", 0, steps=7)
+    assert result.wall_s == pytest.approx(7 * (g + t), rel=1e-9)
+    assert result.staleness_hist == [7 * B, 0]
+    assert run(profile(), "async", 0, steps=7).wall_s == pytest.approx(7 * (g + t), rel=1e-9)  # eta 0 = lock step
+
+
+@pytest.mark.parametrize("per_token_s", [C, 20 * C])  # generation-bound, then training-bound
+@pytest.mark.parametrize("eta", [1, 2, 4])
+def test_async_on_pools_takes_the_slower_side_per_step(per_token_s, eta):
+    """Generation-bound, eta + 1 batches decode together (equal lengths finish together), so steps come
+    in bursts of eta + 1 whose period is (eta + 1) G; training-bound, every step takes T."""
+    g, t = L * A * B, per_token_s * B * (P + L)
+    cycle = 2 * (eta + 1)
+    result = run(profile(per_token_s), "async", eta, steps=10 + 2 * cycle)
+    ends = [r.end_s for r in result.records]
+    assert (ends[-1] - ends[-1 - cycle]) / cycle == pytest.approx(max(g, t), rel=1e-9)
+    if t > g:
+        assert all(b - a == pytest.approx(t, rel=1e-9) for a, b in zip(ends[-cycle:], ends[-cycle + 1:]))
+    assert result.staleness_hist[-1] == 0  # nothing over the bound reaches the trainer
+
+
+def test_a_decode_run_cut_by_arrivals_costs_what_single_steps_cost():
+    """Context-dependent steps in closed form (one event per stretch) must equal the step-by-step sum."""
+    p = profile(per_ctx_token_s=1e-6, step_base_s=1e-3)
+    result = run(p, "sync", 0, steps=3)
+    per_step = [1e-3 + A * B + 1e-6 * B * (P + k) for k in range(L)]  # k-th token of every sequence
+    gen = sum(per_step)
+    assert result.records[0].end_s == pytest.approx(gen + C * B * (P + L), rel=1e-9)
+
+
+def test_a_change_to_the_real_gate_changes_the_simulated_staleness(monkeypatch):
+    p = profile(length=L)
+    before = run(p, "async", 1, steps=12)
+    monkeypatch.setattr(StalenessGate, "limit", property(lambda g: (g.version + 2 * g.max_staleness + 1) * g.batch_size))
+    after = run(p, "async", 1, steps=12)
+    assert before.staleness_hist[-1] == 0 and before.restarted == 0
+    assert after.staleness_hist != before.staleness_hist
+    assert after.staleness_hist[-1] > 0  # admitted beyond what the trainer's filter accepts: dropped
+    assert after.restarted > 0  # and generations begun too early are restarted by the real rule
+
+
+def test_a_change_to_the_real_restart_rule_changes_what_is_restarted(monkeypatch):
+    p = profile_from_dict({**_dict(profile()), "response": {"kind": "lognormal", "mean": 60, "sigma": 1.2, "max": 2000}})
+    before = run(p, "async", 1, steps=10)
+    monkeypatch.setattr(StalenessGate, "stale_attempts", lambda self, started, version: [])
+    after = run(p, "async", 1, steps=10)
+    assert before.restarted > 0 and after.restarted == 0
+    assert after.staleness_hist[-1] > before.staleness_hist[-1]  # not restarted: they arrive over-stale
+
+
+def test_shared_cores_lend_the_idle_sides_share():
+    """Async on 2 shared cores: a side that runs alone gets both cores (speed x (2/1)^1 here)."""
+    p = profile_from_dict({**_dict(profile()), "engine": {**_dict(profile())["engine"], "units": 1, "scaling": 1.0},
+                           "trainer": {"per_token_s": C, "units": 1, "scaling": 1.0}})
+    g, t = L * A * B, C * B * (P + L)
+    shared = run(p, "async", 0, steps=5, placement=Placement.shared(2))
+    assert shared.wall_s == pytest.approx(5 * (g + t) / 2, rel=1e-9)  # eta 0: never together, each on 2 cores
+
+
+def _dict(p):
+    from async_rl.sim.profile import profile_to_dict
+
+    return profile_to_dict(p)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"engine": {"per_seq_s": -1}}, "engine.per_seq_s"),
+    ({"engine": {"speed": 1}}, "engine.speed: unknown key"),
+    ({"wheels": 3}, "wheels: unknown profile key"),
+    ({"response": {"kind": "uniform"}}, "response.kind"),
+    ({"trainer": {"per_token_s": "fast"}}, "trainer.per_token_s"),
+])
+def test_bad_profiles_name_the_key(bad, match):
+    data = {**_dict(profile()), **bad}
+    with pytest.raises(ValueError, match=match):
+        profile_from_dict(data)

@@ -1,0 +1,50 @@
+"""`async-rl sim calibrate` recovers known speeds from a run directory written with them."""
+
+import json
+
+import pytest
+
+from async_rl.config import load_config, save_config
+from async_rl.sim.calibrate import calibrate
+
+BASE, PER_SEQ, PER_CTX, PER_PREFILL = 0.01, 0.002, 1e-5, 3e-4  # engine, on 1 thread
+OVERHEAD, PER_TOKEN, SCALING = 0.5, 0.001, 0.8  # trainer, on 1 thread; speed on t threads = t ** SCALING
+
+
+def _engine_row(threads: int) -> dict:
+    row = {}
+    for b, (n, seqs, ctx, prefill) in {1: (40, 50, 900, 80), 8: (30, 300, 9000, 400), 32: (20, 800, 30000, 100),
+                                       0: (5, 0, 0, 2000)}.items():
+        seconds = (BASE * n + PER_SEQ * seqs + PER_CTX * ctx + PER_PREFILL * prefill) / threads ** SCALING
+        for field, value in zip(("n", "s", "seqs", "ctx", "prefill"), (n, seconds, seqs, ctx, prefill)):
+            row[f"engine/step_t{threads}_b{b}_{field}"] = value
+    return row
+
+
+def test_calibration_recovers_the_speeds_a_run_was_written_with(tmp_path):
+    save_config(load_config(None, ["mode=async", "max_staleness=2", "trainer.batch_size=4", "rollout.group_size=2"]),
+                tmp_path)
+    rows = []
+    for step in range(8):
+        threads = 1 if step % 2 else 2
+        tokens = 400 + 50 * step
+        rows.append({"step": step, "time": 100.0 + 10 * step, "train/batch_tokens": tokens,
+                     "timing/train_s": (OVERHEAD + PER_TOKEN * tokens) / threads ** SCALING,
+                     "timing/train_threads": threads, "timing/publish_s": 0.2, "train/num_trajectories": 4,
+                     "train/response_lens": [step + 1, 2, 3, 4], "train/prompt_len_mean": 6.0,
+                     "train/staleness_hist": [1, 3, 0, 0]})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rollout = [{"time": 99.0, "rollout/generation_started": 1.0}, {"time": 150.0, "sync/update_s": 0.3},
+               {"time": 180.0, "sync/update_s": 0.5, **_engine_row(1), **_engine_row(2)}]
+    (tmp_path / "rollout_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollout))
+    profile = calibrate(tmp_path)
+    e, t = profile.engine, profile.trainer
+    assert e.units == 1 and (e.step_base_s, e.per_seq_s, e.per_ctx_token_s, e.per_prefill_token_s) == pytest.approx(
+        (BASE, PER_SEQ, PER_CTX, PER_PREFILL), rel=1e-6)
+    assert e.scaling == pytest.approx(SCALING, rel=1e-6)
+    assert (t.step_overhead_s, t.per_token_s, t.scaling) == pytest.approx((OVERHEAD, PER_TOKEN, SCALING), rel=1e-6)
+    assert profile.sync.publish_s == pytest.approx(0.2) and profile.sync.load_s == pytest.approx(0.4)
+    assert profile.response.samples == [n for r in rows for n in r["train/response_lens"]]
+    assert profile.prompt_len == 6 and profile.config["max_staleness"] == 2
+    assert profile.measured["staleness_hist"] == [8, 24, 0, 0]
+    assert profile.measured["trained_traj_per_s"] == pytest.approx(32 / (170.0 - 99.0))
