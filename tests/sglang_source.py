@@ -95,3 +95,18 @@ def ignored_keys(model: type, body: dict[str, Any]) -> set[str]:
     """Keys of `body` the model does not declare: SGLang accepts and ignores them (extra_behavior="ignore")."""
     fields = {f.name for f in importlib.import_module("msgspec").structs.fields(model)}
     return set(body) - fields
+
+
+def function(relpath: str, name: str, namespace: dict[str, Any] | None = None) -> Any:
+    """The top-level function `name` of the installed file `sglang/<relpath>`, run from that file's own
+    text where its module does not import here (e.g. `srt/utils/common.py` imports triton at the top):
+    its definition alone is compiled against `namespace` (the module globals it reads). None without sglang."""
+    root = source_dir()
+    if root is None:
+        return None
+    path = root / relpath
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    scope: dict[str, Any] = dict(namespace or {})
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), scope)
+    return scope[name]

@@ -2,11 +2,15 @@
 
 The two-shell scenario of a user: `async-rl train` and `async-rl rollout` (weights over the
 queue), `kill -9` of the whole rollout side (controller and its generation server) after a
-few steps, then `async-rl rollout` again. The new side is told the trainer's version and
-accounting when it connects, receives the current weights before it generates, and the run
-finishes with every train step after the restart training on data: no version is spent on
-a batch that is dropped whole, and what the trainer trains after the restart was sampled by
-the current policy (staleness within the bound).
+few steps, then `async-rl rollout` again in a NEW run directory (the host was lost with its
+disk, and the killed side's outbox with it). The new side is told the trainer's version,
+accounting and the prompt positions it holds when it connects, receives the current weights
+before it generates, regenerates the prompts the killed side admitted and never delivered, and
+the run finishes with every train step after the restart training on data: no version is
+spent on a batch that is dropped whole, and everything that arrived was within the bound. The
+audit over all three directories finds nothing lost, no prompt skipped, nothing trained twice;
+over the trainer's alone it says it cannot vouch for the sides. (The same-directory restart,
+whose outbox sends again what was not committed, is tests/e2e/test_supervision.py's.)
 """
 
 import json
@@ -60,8 +64,9 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
         check_produced(_rows(tmp_path / "r1" / "rollout_metrics.jsonl"), eta=1, batch=64)
         check_arrived(_rows(tmp_path / "t" / "metrics.jsonl")[:killed_at], eta=1, batch=64)
         time.sleep(1.0)
-        # the same run directory: its outbox holds what the killed side produced and never saw acknowledged
-        second = _start("rollout", *common, f"run_dir={tmp_path / 'r1'}", log=tmp_path / "r2.log")
+        # a new run directory, as after losing the host with its disk: the killed side's outbox is gone, so
+        # what it admitted and never delivered must come back into the stream from the trainer's accounting
+        second = _start("rollout", *common, f"run_dir={tmp_path / 'r2'}", log=tmp_path / "r2.log")
         assert train.wait(300) == 0, (tmp_path / "train.log").read_text()[-3000:]
         assert second.wait(60) == 0, (tmp_path / "r2.log").read_text()[-3000:]
     finally:
@@ -69,9 +74,9 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     rows = _rows(tmp_path / "t" / "metrics.jsonl")
-    # nor did the new side (what arrives after the kill includes the killed side's unacknowledged groups,
-    # sent again outside the new side's gate, so arrivals are checked up to the kill only)
-    check_produced(_rows(tmp_path / "r1" / "rollout_metrics.jsonl"), eta=1, batch=64)
+    # nor did the new side, joining with the trainer's accounting: every arrival of the run within the bound
+    check_produced(_rows(tmp_path / "r2" / "rollout_metrics.jsonl"), eta=1, batch=64)
+    check_arrived(rows, eta=1, batch=64)
     assert len(rows) == 14 and rows[-1]["policy_version"] == 14
     after = rows[killed_at:]
     # every step after the restart trained on data sampled within the staleness bound
@@ -79,12 +84,18 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
     assert all(r["train/staleness_max"] <= 1 for r in after)
     assert rows[-1]["train/skipped_batches"] <= 1
     # the new side was told where the run was and generated with the trainer's weights, not version 0
-    log2 = (tmp_path / "r1" / "logs" / "rollout.log").read_text().split("joining a run in progress at version")
+    log2 = (tmp_path / "r2" / "logs" / "rollout.log").read_text().split("joining a run in progress at version")
     assert len(log2) == 2, "the restarted side did not join at the trainer's version"
-    loaded = [r["step"] for r in _rows(tmp_path / "r1" / "rollout_metrics.jsonl") if "sync/update_s" in r]
+    loaded = [r["step"] for r in _rows(tmp_path / "r2" / "rollout_metrics.jsonl") if "sync/update_s" in r]
     assert loaded and max(loaded) >= killed_at, loaded
-    # nothing the killed side produced was lost (its outbox sent it again), nothing was trained twice
-    audited = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(tmp_path / "t"), str(tmp_path / "r1")],
+    # the trainer's directory alone cannot vouch for what the sides produced; with both sides' ledgers
+    # nothing is lost: the killed side's undelivered groups are replaced (their prompts generated again
+    # by the new side), no prompt of the stream is skipped, nothing is trained twice
+    audit = [sys.executable, "-m", "launch.cli", "audit"]
+    alone = subprocess.run([*audit, str(tmp_path / "t")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 1 and "incomplete: no rollout ledger" in alone.stdout, alone.stdout
+    audited = subprocess.run([*audit, str(tmp_path / "t"), str(tmp_path / "r1"), str(tmp_path / "r2")],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert audited.returncode == 0 and "lost=0 duplicated=0" in audited.stdout, audited.stdout + audited.stderr
-    assert [e["when"] for e in _rows(tmp_path / "r1" / "eval.jsonl")].count("before") == 1
+    assert audited.returncode == 0 and "lost=0 duplicated=0 lost_prompts=0 duplicated_prompts=0" in audited.stdout, \
+        audited.stdout + audited.stderr
+    assert [e["when"] for e in _rows(tmp_path / "r2" / "eval.jsonl")].count("before") == 0  # joined mid-run
