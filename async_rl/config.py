@@ -122,13 +122,15 @@ class TrainerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max gradient norm (0 = off)
     eps_clip: float = 0.2  # PPO clip range
-    behav_weight_cap: float = 5.0  # cap on the behaviour importance weight pi_prox / pi_behav
+    behav_weight_cap: float = 5.0  # c: the behaviour weight pi_prox / pi_behav is cut at c (or masked: trainer.loss)
     minibatches: int = 1  # optimizer steps per train step (each on 1/minibatches of the batch)
     micro_batch_tokens: int = 4096  # token budget of one forward/backward
     # what one more forward/backward costs, in padded tokens: a batch is cut into more micro-batches
     # where that saves more padding (a long-tailed batch padded to its longest response wastes most)
     micro_batch_overhead_tokens: int = 256
-    loss: str = "decoupled_ppo"  # policy loss from trainer/loss.py LOSSES: decoupled_ppo | no_behav_correction (ablation)
+    # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
+    # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)
+    loss: str = "decoupled_ppo"
     adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
     advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores)
     turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens

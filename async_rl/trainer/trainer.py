@@ -42,8 +42,8 @@ logger = logging.getLogger(__name__)
 # reported when a step has nothing to train on, so every step logs the same keys
 _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 1.0,
               "train/approx_kl": 0.0, "train/behav_weight_mean": 1.0, "train/behav_weight_max": 1.0,
-              "train/behav_capped_frac": 0.0, "train/staleness_max": 0.0, "train/staleness_mean": 0.0,
-              "train/num_tokens": 0.0, "train/optimizer_steps": 0.0, "train/skipped_nonfinite": 0.0}
+              "train/behav_capped_frac": 0.0, "train/behav_masked_frac": 0.0, "train/staleness_max": 0.0,
+              "train/staleness_mean": 0.0, "train/num_tokens": 0.0, "train/optimizer_steps": 0.0, "train/skipped_nonfinite": 0.0}
 
 
 def split_by_age(trajs: list[Trajectory], policy_version: int,

@@ -165,3 +165,57 @@ def test_no_behav_correction_ignores_the_behaviour_policy():
     assert torch.allclose(off, same) and not torch.allclose(off, corrected)
     with pytest.raises(ValueError, match="trainer.loss"):
         get_loss("nope")
+
+
+# ------------------------------------------------------------------ behaviour-weight rules
+# Four tokens, r = 1 (theta == prox, inside the clip range, so each term is -w * A), cap c = 5,
+# rho = pi_prox / pi_behav = 10, 2, 0.1, 1 and A = 1, -1, 2, 0.5; token mean over 4 tokens:
+#   decoupled_ppo (TIS, w = min(rho, 5)) w = 5, 2, 0.1, 1   -> -(5 - 2 + 0.2 + 0.5) / 4 = -0.925
+#   masked_is     (w = rho if rho <= 5)  w = 0, 2, 0.1, 1   -> -(0 - 2 + 0.2 + 0.5) / 4 = +0.325
+#   icepop        (w = rho in [0.2, 5])  w = 0, 2, 0,   1   -> -(0 - 2 + 0   + 0.5) / 4 = +0.375
+#   no_behav_correction (w = 1)                             -> -(1 - 1 + 2   + 0.5) / 4 = -0.625
+RULE_CASES = {"decoupled_ppo": (-0.925, [5.0, 2.0, 0.1, 1.0], 0.0),
+              "masked_is": (0.325, [0.0, 2.0, 0.1, 1.0], 0.25),
+              "icepop": (0.375, [0.0, 2.0, 0.0, 1.0], 0.5),
+              "no_behav_correction": (-0.625, [1.0, 1.0, 1.0, 1.0], 0.0)}
+
+
+@pytest.mark.parametrize("name", list(RULE_CASES))
+def test_behaviour_weight_rules_match_hand_computation(name):
+    expected, weights, masked = RULE_CASES[name]
+    behav = torch.tensor([[-2.0, -2.0, -2.0, -2.0]], dtype=torch.float64)
+    prox = behav + torch.log(torch.tensor([[10.0, 2.0, 0.1, 1.0]], dtype=torch.float64))
+    lp = prox.clone().requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    loss, stats = get_loss(name)(lp, prox, behav, adv, torch.ones(1, 4), eps_clip=EPS, behav_weight_cap=CAP)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-9)
+    loss.backward()
+    # d loss / d logprob_t = -w_t * A_t * r_t / 4: a dropped token gets no gradient at all
+    assert lp.grad[0].tolist() == pytest.approx([-w * a / 4 for w, a in zip(weights, [1.0, -1.0, 2.0, 0.5])])
+    assert stats["behav_masked_frac"] == masked and stats["behav_capped_frac"] == 0.25
+    assert stats["behav_weight_max"] == pytest.approx(10.0) and stats["behav_weight_mean"] == pytest.approx(13.1 / 4)
+
+
+def test_icepop_keeps_both_ends_of_its_band():
+    c = 4.0
+    behav = torch.zeros(1, 4, dtype=torch.float64)
+    prox = torch.tensor([[math.log(c), -math.log(c), math.log(c) + 1e-9, -math.log(c) - 1e-9]], dtype=torch.float64)
+    _, stats = get_loss("icepop")(prox.clone(), prox, behav, torch.ones(1, 4), torch.ones(1, 4), eps_clip=EPS,
+                                  behav_weight_cap=c)
+    assert stats["behav_masked_frac"] == 0.5  # rho = c and 1/c kept, just beyond either end dropped
+    with pytest.raises(ValueError, match="behav_weight_cap"):
+        get_loss("icepop")(prox, prox, behav, torch.ones(1, 4), torch.ones(1, 4), eps_clip=EPS, behav_weight_cap=0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_masking_rules_equal_truncation_while_no_weight_leaves_the_band(seed):
+    g = np.random.default_rng(seed)
+    lp, prox = (torch.tensor(g.normal(-2.0, 1.0, (2, 6))) for _ in range(2))
+    behav = prox - torch.tensor(g.uniform(-math.log(CAP) + 1e-6, math.log(CAP) - 1e-6, (2, 6)))  # rho in (1/c, c)
+    adv, mask = torch.tensor(g.normal(0.0, 1.0, (2, 6))), torch.tensor(g.integers(0, 2, (2, 6)))
+    kw = {"eps_clip": EPS, "behav_weight_cap": CAP}
+    tis, _ = get_loss("decoupled_ppo")(lp, prox, behav, adv, mask, **kw)
+    for name in ("masked_is", "icepop"):
+        other, stats = get_loss(name)(lp, prox, behav, adv, mask, **kw)
+        assert float(other) == pytest.approx(float(tis), rel=1e-12, abs=1e-12) and stats["behav_masked_frac"] == 0.0
