@@ -131,8 +131,8 @@ class TrainerConfig:
     # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
     # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)
     loss: str = "decoupled_ppo"
-    adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
-    advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores)
+    adv_std_norm: bool = True  # grpo, grpo_turn: divide group-centred rewards by the group std; false = centred only
+    advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores) | dr_grpo | rloo
     turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens
     checkpoint_every: int = 0  # also save a checkpoint every N steps (0 = only as checkpoint_budget allows)
     # Checkpoints are what a restarted trainer resumes from, and what commits consumption: the
