@@ -131,6 +131,11 @@ class TrainerConfig:
     # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
     # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)
     loss: str = "decoupled_ppo"
+    # how token terms add up to a minibatch's loss (trainer/loss.py LOSS_AGGS): token_mean (each trained token
+    # alike) | seq_mean_token_mean (GRPO: mean over sequences of their token means) | seq_mean_token_sum_norm
+    # (Dr.GRPO: token sums / (loss_agg_tokens x sequences))
+    loss_agg: str = "token_mean"
+    loss_agg_tokens: int = 0  # seq_mean_token_sum_norm: the constant per-sequence divisor; 0 = rollout.max_new_tokens
     adv_std_norm: bool = True  # grpo, grpo_turn: divide group-centred rewards by the group std; false = centred only
     advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores) | dr_grpo | rloo
     turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens
@@ -314,6 +319,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
     for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
                      ("trainer.micro_batch_overhead_tokens", 0), ("trainer.checkpoint_every", 0),
+                     ("trainer.loss_agg_tokens", 0),
                      ("trainer.keep_checkpoints", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")

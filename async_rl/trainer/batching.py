@@ -38,6 +38,9 @@ class Batch:
     behav_logprobs: torch.Tensor  # [B, L-1] float32, 0 where not trained
     versions: torch.Tensor  # [B, L-1] int64, -1 where not trained
     advantages: torch.Tensor  # [B, L-1] float32, 0 where not trained
+    # [B, L-1] float32: each trained token's weight in its minibatch's loss (trainer.loss_agg); collate
+    # gives a token mean over this batch alone, the trainer replaces it with the minibatch's
+    loss_weights: torch.Tensor
     index: list[int]  # positions of these rows in the trajectory list they came from
 
     @property
@@ -77,7 +80,8 @@ def collate(trajs: list[Trajectory], advantages: torch.Tensor, index: list[int])
         behav[b, cols] = torch.where(m, torch.from_numpy(t.behav_logprobs.astype(np.float32)), 0.0)
         versions[b, cols] = torch.where(m, torch.from_numpy(t.versions.astype(np.int64)), -1)
     adv = broadcast_to_tokens(advantages[index].to(torch.float32), loss_mask)
-    return Batch(input_ids, attention_mask, loss_mask, behav, versions, adv, list(index))
+    return Batch(input_ids, attention_mask, loss_mask, behav, versions, adv, loss_mask / loss_mask.sum().clamp(min=1),
+                 list(index))
 
 
 def micro_batches(trajs: list[Trajectory], token_budget: int, overhead_tokens: int = 0) -> list[list[int]]:

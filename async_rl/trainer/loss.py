@@ -22,6 +22,20 @@ c = `trainer.behav_weight_cap`:
 
 A dropped token still counts in the aggregation's denominator (as in AReaL): dropping a few
 does not scale up the rest.
+
+Aggregation: the loss is sum_t loss_weights_t * loss_t over trained tokens. The trainer takes
+`loss_weights` ([B, T]) from `LOSS_AGGS` (`trainer.loss_agg`), computed over the whole
+minibatch, so a minibatch's loss is the sum of its micro-batches' parts:
+
+- `token_mean` (the default; DAPO's token-level loss): every trained token of the minibatch
+  weighs 1 / (its trained tokens); no per-sequence length normalisation, a long response
+  counts by its tokens;
+- `seq_mean_token_mean` (the original GRPO): the mean over sequences of each sequence's token
+  mean, 1 / (len_i * sequences); a token of a short response weighs more (the length bias
+  Dr.GRPO removes);
+- `seq_mean_token_sum_norm` (Dr.GRPO): token sums divided by a constant, 1 / (L * sequences)
+  with L = `trainer.loss_agg_tokens` (the generation budget); the weight of a token depends on
+  nothing else in the batch.
 """
 
 from __future__ import annotations
@@ -71,13 +85,14 @@ def _check(logprobs: torch.Tensor, others: dict[str, torch.Tensor | None]) -> No
 
 def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
                  behav_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
-                 eps_clip: float, behav_weight_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+                 eps_clip: float, behav_weight_cap: float,
+                 loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     if eps_clip <= 0:
         raise ValueError(f"eps_clip: must be > 0, got {eps_clip}")
     if behav_weight_cap <= 0:
         raise ValueError(f"behav_weight_cap: must be > 0, got {behav_weight_cap}")
     _check(logprobs, {"prox_logprobs": prox_logprobs, "behav_logprobs": behav_logprobs, "advantages": advantages,
-                      "loss_mask": loss_mask})
+                      "loss_mask": loss_mask, "loss_weights": loss_weights})
     mask = loss_mask.bool()  # [B, T]
     n = mask.sum().clamp(min=1).to(logprobs.dtype)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
@@ -91,7 +106,8 @@ def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.
 
     log_w = torch.where(mask, (prox_logprobs - behav_logprobs).detach().to(logprobs.dtype), zero)
     weight = rule(log_w, behav_weight_cap)  # [B, T] the behaviour weight each token trains with
-    loss = -torch.where(mask, weight * surrogate, zero).sum() / n
+    agg = loss_weights.to(logprobs.dtype) if loss_weights is not None else mask.to(logprobs.dtype) / n  # [B, T]
+    loss = -torch.where(mask, agg * weight * surrogate, zero).sum()
 
     with torch.no_grad():
         raw_w = torch.exp(log_w.clamp(max=_STATS_MAX_LOG))
@@ -109,17 +125,19 @@ def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.
 
 def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                        advantages: torch.Tensor, loss_mask: torch.Tensor, *, eps_clip: float,
-                       behav_weight_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+                       behav_weight_cap: float,
+                       loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO with truncated importance sampling: w = min(pi_prox / pi_behav, cap).
 
     All tensors are [B, T]; only `logprobs` carries gradient. Positions where loss_mask
     is 0 contribute nothing (value or gradient), whatever the other tensors hold there.
+    The loss is sum_t loss_weights_t * loss_t (default: a token mean over loss_mask).
     Stats (plain floats, token means over loss_mask): clip_frac, ratio_mean, approx_kl (k3
     estimate of KL(prox || theta)), behav_weight_mean / behav_weight_max (before the rule),
     behav_capped_frac (weight above the cap), behav_masked_frac (tokens the rule dropped).
     """
     return _policy_loss(_truncate, logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask,
-                        eps_clip=eps_clip, behav_weight_cap=behav_weight_cap)
+                        eps_clip=eps_clip, behav_weight_cap=behav_weight_cap, loss_weights=loss_weights)
 
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -128,6 +146,34 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 LOSSES: dict[str, LossFn] = {"decoupled_ppo": decoupled_ppo_loss, "masked_is": partial(_policy_loss, _mask_above),
                              "icepop": partial(_policy_loss, _mask_outside),
                              "no_behav_correction": partial(_policy_loss, _ones)}
+
+
+def token_mean(loss_mask: torch.Tensor, *, tokens: int, seqs: int, norm_tokens: int) -> torch.Tensor:
+    return loss_mask / max(1, tokens)
+
+
+def seq_mean_token_mean(loss_mask: torch.Tensor, *, tokens: int, seqs: int, norm_tokens: int) -> torch.Tensor:
+    return loss_mask / loss_mask.sum(dim=1, keepdim=True).clamp(min=1) / max(1, seqs)
+
+
+def seq_mean_token_sum_norm(loss_mask: torch.Tensor, *, tokens: int, seqs: int, norm_tokens: int) -> torch.Tensor:
+    if norm_tokens < 1:
+        raise ValueError(f"trainer.loss_agg_tokens: seq_mean_token_sum_norm divides by it, must be >= 1, got "
+                         f"{norm_tokens}")
+    return loss_mask / (norm_tokens * max(1, seqs))
+
+
+# (loss_mask [B, T] of a micro-batch; trained tokens and sequences of its minibatch, the constant
+# L) -> [B, T] weights of each token's term in the minibatch loss (`trainer.loss_agg`)
+LossAgg = Callable[..., torch.Tensor]
+LOSS_AGGS: dict[str, LossAgg] = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
+                                 "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
+
+
+def get_loss_agg(name: str) -> LossAgg:
+    if name not in LOSS_AGGS:
+        raise ValueError(f"trainer.loss_agg: unknown aggregation {name!r} (available: {', '.join(sorted(LOSS_AGGS))})")
+    return LOSS_AGGS[name]
 
 
 def get_loss(name: str) -> LossFn:

@@ -8,8 +8,9 @@
 A step (1) drops trajectories whose oldest sampled token is more than `max_staleness`
 versions older than `policy_version`, (2) computes group-relative advantages, (3)
 recomputes proximal log-probs with the current weights, (4) takes `cfg.minibatches`
-AdamW steps on the decoupled PPO loss, each accumulating gradients over micro-batches
-of at most `cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
+AdamW steps on the policy loss (`cfg.loss`, its token terms added up as `cfg.loss_agg` says
+over the minibatch), each accumulating gradients over micro-batches of at most
+`cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
 A trajectory sampled (in part) by weights NEWER than `policy_version` comes from a future a
 resume threw away (the trainer went back to a checkpoint): it is dropped too, and counted
 (`train/dropped_future`). A batch whose every trajectory is dropped is not a train step: nothing is updated, the
@@ -21,6 +22,7 @@ cannot make the trainer spin through versions without training.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -33,7 +35,7 @@ import torch
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
-from async_rl.trainer.loss import get_loss
+from async_rl.trainer.loss import get_loss, get_loss_agg
 from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_dtype
 
@@ -76,6 +78,7 @@ class PPOTrainer:
         self.policy_version = policy_version
         self.loss_fn = get_loss(loss or cfg.loss)
         self.advantage_fn = get_advantage(cfg.advantage)
+        self.loss_agg = get_loss_agg(cfg.loss_agg)
         self.device = next(model.parameters()).device
         self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.device).dtype  # autocast dtype
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -176,12 +179,11 @@ class PPOTrainer:
         self.model.train()
         try:
             for m, micros in enumerate(minibatches):
-                total = sum(b.num_tokens for b in micros)
-                if total == 0:
+                if not any(b.num_tokens for b in micros):
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, batch in enumerate(local[m]):
-                    self._accumulate(batch, prox[m][k] if prox is not None else None, total, acc)
+                    self._accumulate(batch, prox[m][k] if prox is not None else None, acc)
                 norm = self._clip_grads()
                 acc.add_grad_norm(norm)
                 if math.isfinite(norm):
@@ -198,15 +200,17 @@ class PPOTrainer:
         stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
         return stats
 
-    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, total: int, acc: "_StatsAccumulator") -> None:
-        """Forward + backward of one micro-batch, weighted so the minibatch loss is a token mean."""
+    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, acc: "_StatsAccumulator") -> None:
+        """Forward + backward of one micro-batch; its loss is its part of the minibatch's (batch.loss_weights)."""
         logprobs = self._logprobs(batch)  # [B, L-1]
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
         prox_lp = logprobs.detach() if prox is None else prox
         loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
-                               eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap)
-        (loss * (batch.num_tokens / total)).backward()
-        acc.add({"loss": float(loss.detach()), **s}, batch.num_tokens)
+                               eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap,
+                               loss_weights=batch.loss_weights)
+        loss.backward()
+        acc.add(s, batch.num_tokens)
+        acc.add_total("loss", float(loss.detach()))
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, L-1] log-probs of the batch's trained tokens under the current weights."""
@@ -240,9 +244,13 @@ class PPOTrainer:
         out = []
         for chunk in np.array_split(order, n):
             sub = [trajs[i] for i in chunk]
-            out.append([collate(trajs, adv, [int(chunk[j]) for j in idx]).to(self.device)
-                        for idx in micro_batches(sub, self.cfg.micro_batch_tokens,
-                                                            self.cfg.micro_batch_overhead_tokens)])
+            micros = [collate(trajs, adv, [int(chunk[j]) for j in idx])
+                      for idx in micro_batches(sub, self.cfg.micro_batch_tokens, self.cfg.micro_batch_overhead_tokens)]
+            tokens = sum(b.num_tokens for b in micros)
+            seqs = sum(int((b.loss_mask.sum(dim=1) > 0).sum()) for b in micros)  # sequences with a trained token
+            out.append([dataclasses.replace(b, loss_weights=self.loss_agg(
+                b.loss_mask, tokens=tokens, seqs=seqs, norm_tokens=self.cfg.loss_agg_tokens)).to(self.device)
+                for b in micros])
         return out
 
     def _staleness(self, minibatches: list[list[Batch]]) -> dict[str, float]:
@@ -261,27 +269,34 @@ class PPOTrainer:
 
 
 class _StatsAccumulator:
-    """Token-weighted means of per-micro-batch stats (maxima for `*_max` keys), prefixed `train/`."""
+    """Stats of a step's micro-batches, prefixed `train/`: weighted means (each `add` says how many
+    tokens its stats were measured on), maxima for `*_max` keys, and totals per minibatch (a
+    minibatch's loss is the sum of its micro-batches' parts) averaged over the minibatches."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
         self.maxes: dict[str, float] = {}
-        self.tokens = 0
+        self.totals: dict[str, float] = {}
         self.norms: list[float] = []
 
-    def add(self, stats: dict[str, float], num_tokens: int) -> None:
-        self.tokens += num_tokens
+    def add(self, stats: dict[str, float], weight: int) -> None:
         for key, value in stats.items():
             if key.endswith("_max"):
                 self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
             else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * num_tokens
+                self.sums[key] = self.sums.get(key, 0.0) + value * weight
+                self.weights[key] = self.weights.get(key, 0.0) + weight
+
+    def add_total(self, key: str, value: float) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + value
 
     def add_grad_norm(self, norm: float) -> None:
         self.norms.append(norm)
 
     def result(self) -> dict[str, float]:
-        out = {f"train/{k}": v / max(1, self.tokens) for k, v in self.sums.items()}
+        out = {f"train/{k}": v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}
         out.update({f"train/{k}": v for k, v in self.maxes.items()})
+        out.update({f"train/{k}": v / max(1, len(self.norms)) for k, v in self.totals.items()})
         out["train/grad_norm"] = float(np.mean(self.norms)) if self.norms else 0.0
         return out

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss
+from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss, get_loss_agg
 
 EPS, CAP = 0.2, 5.0
 
@@ -219,3 +219,30 @@ def test_masking_rules_equal_truncation_while_no_weight_leaves_the_band(seed):
     for name in ("masked_is", "icepop"):
         other, stats = get_loss(name)(lp, prox, behav, adv, mask, **kw)
         assert float(other) == pytest.approx(float(tis), rel=1e-12, abs=1e-12) and stats["behav_masked_frac"] == 0.0
+
+
+# ------------------------------------------------------------------ aggregation
+# A minibatch of two sequences, in two micro-batches: sequence 1 trains 3 tokens with A = 1, sequence
+# 2 one token with A = -2; r = 1 and w = 1, so each token's term is -A:
+#   token_mean               -(1 + 1 + 1 - 2) / 4 tokens                  = -0.25
+#   seq_mean_token_mean      -((1 + 1 + 1) / 3 + (-2) / 1) / 2 sequences  = +0.5
+#   seq_mean_token_sum_norm  -((1 + 1 + 1) + (-2)) / (L = 4 * 2 sequences) = -0.125
+@pytest.mark.parametrize("name,expected", [("token_mean", -0.25), ("seq_mean_token_mean", 0.5),
+                                           ("seq_mean_token_sum_norm", -0.125)])
+def test_aggregations_match_hand_computation_across_micro_batches(name, expected):
+    agg = get_loss_agg(name)
+    micro = [(_t([1, 1, 1]), _t([1.0, 1.0, 1.0])), (_t([1, 0, 0]), _t([-2.0, 0.0, 0.0]))]
+    total = 0.0
+    for mask, adv in micro:
+        weights = agg(mask, tokens=4, seqs=2, norm_tokens=4)
+        lp = torch.full_like(mask, -1.0)
+        loss, _ = decoupled_ppo_loss(lp, lp, lp, adv, mask, eps_clip=EPS, behav_weight_cap=CAP, loss_weights=weights)
+        total += float(loss)
+    assert total == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="trainer.loss_agg"):
+        get_loss_agg("nope")
+
+
+def test_dr_grpo_aggregation_needs_its_constant():
+    with pytest.raises(ValueError, match="trainer.loss_agg_tokens"):
+        get_loss_agg("seq_mean_token_sum_norm")(_t([1, 1]), tokens=2, seqs=1, norm_tokens=0)

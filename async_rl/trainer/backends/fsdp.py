@@ -11,9 +11,9 @@ computation (`token_logprobs`), so every weight is gathered inside an FSDP forwa
 
 Data parallel: every rank builds the same minibatches and micro-batches as the single
 process (same seed, same batch), then runs rows r, r+W, r+2W, ... of each micro-batch.
-The loss of a micro-batch is a token mean weighted by its share of the minibatch's
-tokens, so a token sum over the minibatch divided by its token count; FSDP sums the
-ranks' gradients (divide factor 1), which gives exactly the single-process gradient.
+Each token's term carries its weight in the minibatch's loss (`Batch.loss_weights`,
+computed before the rows are split), so a rank's loss is its rows' part of that sum; FSDP
+sums the ranks' gradients (divide factor 1), which gives exactly the single-process gradient.
 Every rank runs every micro-batch's forward and backward, an empty share as a
 zero-weight pass over one token, so the collectives stay in lock step.
 
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from async_rl.config import Config, TrainerConfig
 from async_rl.models import load_model, load_tokenizer
-from async_rl.trainer.backends import RankInfo, train_staleness
+from async_rl.trainer.backends import RankInfo, train_staleness, trainer_config
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict
 from async_rl.trainer.backends.scatter import load_sharded
 from async_rl.trainer.batching import Batch, token_logprobs
@@ -143,19 +143,23 @@ class FSDPTrainer(PPOTrainer):
                 out.append(_rows(b, rows))
             else:
                 idle = _rows(b, [0])
-                out.append(dataclasses.replace(idle, loss_mask=torch.zeros_like(idle.loss_mask)))
+                out.append(dataclasses.replace(idle, loss_mask=torch.zeros_like(idle.loss_mask),
+                                               loss_weights=torch.zeros_like(idle.loss_weights)))
         return out
 
     def _stats_result(self, acc: _StatsAccumulator) -> dict[str, float]:
-        """Token-weighted sums and maxima of every rank combined; every rank ran the same stat keys."""
-        sums_keys, max_keys = sorted(acc.sums), sorted(acc.maxes)
-        sums = torch.tensor([acc.sums[k] for k in sums_keys] + [float(acc.tokens)], dtype=torch.float64,
-                            device=self.device)
+        """Weighted sums, their weights, totals and maxima of every rank combined; every rank ran the same
+        stat keys (the gradient norms are already global)."""
+        keys, total_keys, max_keys = sorted(acc.sums), sorted(acc.totals), sorted(acc.maxes)
+        sums = torch.tensor([acc.sums[k] for k in keys] + [acc.weights[k] for k in keys]
+                            + [acc.totals[k] for k in total_keys] + [0.0], dtype=torch.float64, device=self.device)
         maxes = torch.tensor([acc.maxes[k] for k in max_keys] or [0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        acc.sums = dict(zip(sums_keys, sums[:-1].tolist()))
-        acc.tokens = int(sums[-1].item())
+        flat = sums.tolist()
+        acc.sums = dict(zip(keys, flat[:len(keys)]))
+        acc.weights = dict(zip(keys, flat[len(keys):2 * len(keys)]))
+        acc.totals = dict(zip(total_keys, flat[2 * len(keys):2 * len(keys) + len(total_keys)]))
         acc.maxes = dict(zip(max_keys, maxes.tolist()))
         return acc.result()
 
@@ -169,7 +173,7 @@ def _rows(b: Batch, rows: list[int]) -> Batch:
     idx = torch.tensor(rows, device=b.input_ids.device)
     return Batch(input_ids=b.input_ids[idx], attention_mask=b.attention_mask[idx], loss_mask=b.loss_mask[idx],
                  behav_logprobs=b.behav_logprobs[idx], versions=b.versions[idx], advantages=b.advantages[idx],
-                 index=[b.index[r] for r in rows])
+                 loss_weights=b.loss_weights[idx], index=[b.index[r] for r in rows])
 
 
 # ---------------------------------------------------------------------- devices and build
@@ -223,7 +227,7 @@ def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
             module.set_force_sum_reduction_for_comms(True)
     logger.info("fsdp rank %d/%d on %s: %d FSDP units", rank.rank, rank.world_size, device,
                 sum(isinstance(m, FSDPModule) for m in root.modules()))
-    trainer = FSDPTrainer(root, cfg.trainer, max_staleness=train_staleness(cfg), seed=cfg.seed)
+    trainer = FSDPTrainer(root, trainer_config(cfg), max_staleness=train_staleness(cfg), seed=cfg.seed)
     if rank.rank == 0:  # the rank that writes checkpoints also makes them Hugging Face model directories
         trainer.hf_export = hf_exporter(lm.config, load_tokenizer(cfg.model))
     return trainer
