@@ -137,7 +137,8 @@ class TrainerConfig:
     loss_agg: str = "token_mean"
     loss_agg_tokens: int = 0  # seq_mean_token_sum_norm: the constant per-sequence divisor; 0 = rollout.max_new_tokens
     adv_std_norm: bool = True  # grpo, grpo_turn: divide group-centred rewards by the group std; false = centred only
-    advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores) | dr_grpo | rloo
+    # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores) | dr_grpo | rloo
+    advantage: str = "grpo"
     turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens
     checkpoint_every: int = 0  # also save a checkpoint every N steps (0 = only as checkpoint_budget allows)
     # Checkpoints are what a restarted trainer resumes from, and what commits consumption: the

@@ -36,6 +36,10 @@ minibatch, so a minibatch's loss is the sum of its micro-batches' parts:
 - `seq_mean_token_sum_norm` (Dr.GRPO): token sums divided by a constant, 1 / (L * sequences)
   with L = `trainer.loss_agg_tokens` (the generation budget); the weight of a token depends on
   nothing else in the batch.
+
+`logprob_mismatch` measures what no loss can remove: the engine's and the trainer's log-probs
+of the same tokens under the SAME weights differ (other kernels, other dtypes, batch-dependent
+reductions), so even at eta = 0 pi_prox / pi_behav is not 1.
 """
 
 from __future__ import annotations
@@ -138,6 +142,27 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, beha
     """
     return _policy_loss(_truncate, logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask,
                         eps_clip=eps_clip, behav_weight_cap=behav_weight_cap, loss_weights=loss_weights)
+
+
+def logprob_mismatch(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, versions: torch.Tensor,
+                     loss_mask: torch.Tensor, version: int) -> tuple[dict[str, float], int]:
+    """Engine vs trainer log-probs of the trained tokens that `version` sampled, `prox_logprobs`
+    being the trainer's under that same version's weights: (stats, tokens measured).
+
+    With d = prox - behav = log(pi_trainer / pi_engine) per token: logprob_mismatch_mean (mean
+    |d|), logprob_mismatch_max (max |d|), logprob_mismatch_kl (k3 estimate of KL(engine ||
+    trainer), mean of exp(d) - 1 - d, unbiased since the engine sampled the tokens). All [B, T]
+    inputs; tokens of other versions (staleness, not mismatch) are left out.
+    """
+    mask = loss_mask.bool()
+    same = mask & (versions == version)
+    n = int(same.sum())
+    with torch.no_grad():
+        d = (prox_logprobs.detach() - behav_logprobs).to(torch.float64)[same]
+        stats = {"logprob_mismatch_mean": float(d.abs().mean()) if n else 0.0,
+                 "logprob_mismatch_max": float(d.abs().max()) if n else 0.0,
+                 "logprob_mismatch_kl": float((torch.exp(d.clamp(max=_STATS_MAX_LOG)) - 1 - d).mean()) if n else 0.0}
+    return stats, n
 
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]

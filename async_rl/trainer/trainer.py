@@ -35,7 +35,7 @@ import torch
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
-from async_rl.trainer.loss import get_loss, get_loss_agg
+from async_rl.trainer.loss import get_loss, get_loss_agg, logprob_mismatch
 from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_dtype
 
@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 1.0,
               "train/approx_kl": 0.0, "train/behav_weight_mean": 1.0, "train/behav_weight_max": 1.0,
               "train/behav_capped_frac": 0.0, "train/behav_masked_frac": 0.0, "train/staleness_max": 0.0,
-              "train/staleness_mean": 0.0, "train/num_tokens": 0.0, "train/optimizer_steps": 0.0, "train/skipped_nonfinite": 0.0}
+              "train/staleness_mean": 0.0, "train/num_tokens": 0.0, "train/optimizer_steps": 0.0,
+              "train/skipped_nonfinite": 0.0, "train/logprob_mismatch_mean": 0.0, "train/logprob_mismatch_max": 0.0,
+              "train/logprob_mismatch_kl": 0.0, "train/logprob_mismatch_frac": 0.0}
 
 
 def split_by_age(trajs: list[Trajectory], policy_version: int,
@@ -211,6 +213,11 @@ class PPOTrainer:
         loss.backward()
         acc.add(s, batch.num_tokens)
         acc.add_total("loss", float(loss.detach()))
+        # tokens the current weights sampled: prox_lp is the trainer's view of those very weights
+        mismatch, measured = logprob_mismatch(prox_lp, batch.behav_logprobs, batch.versions, batch.loss_mask,
+                                              self.policy_version)
+        acc.add(mismatch, measured)
+        acc.add({"logprob_mismatch_frac": measured / max(1, batch.num_tokens)}, batch.num_tokens)
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, L-1] log-probs of the batch's trained tokens under the current weights."""

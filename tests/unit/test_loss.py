@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss, get_loss_agg
+from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss, get_loss_agg, logprob_mismatch
 
 EPS, CAP = 0.2, 5.0
 
@@ -246,3 +246,20 @@ def test_aggregations_match_hand_computation_across_micro_batches(name, expected
 def test_dr_grpo_aggregation_needs_its_constant():
     with pytest.raises(ValueError, match="trainer.loss_agg_tokens"):
         get_loss_agg("seq_mean_token_sum_norm")(_t([1, 1]), tokens=2, seqs=1, norm_tokens=0)
+
+
+# ------------------------------------------------------------------ engine/trainer mismatch
+def test_logprob_mismatch_over_the_tokens_of_the_trainers_version():
+    prox = _t([-1.0, -2.0, -0.5, -3.0, -1.0])
+    # the engine said: 0.1 higher, 0.3 lower, 0.2 higher; a version-2 token 5 off (staleness, not
+    # mismatch) and an untrained token 9 off are left out
+    behav = _t([-0.9, -2.3, -0.3, 2.0, 8.0])
+    versions = torch.tensor([[3, 3, 3, 2, 3]])
+    stats, n = logprob_mismatch(prox, behav, versions, _t([1, 1, 1, 1, 0]), version=3)
+    d = [-0.1, 0.3, -0.2]  # prox - behav of the three measured tokens
+    assert n == 3
+    assert stats["logprob_mismatch_mean"] == pytest.approx(0.2, rel=1e-5)
+    assert stats["logprob_mismatch_max"] == pytest.approx(0.3, rel=1e-5)
+    assert stats["logprob_mismatch_kl"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 3, rel=1e-4)
+    stats, n = logprob_mismatch(prox, behav, versions, _t([1, 1, 1, 1, 0]), version=4)
+    assert n == 0 and stats["logprob_mismatch_max"] == 0.0

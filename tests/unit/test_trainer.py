@@ -206,6 +206,28 @@ def test_stale_trajectories_are_dropped_and_staleness_measured(tok):
     assert stats["train/versions_per_traj_max"] == 3
 
 
+@pytest.mark.parametrize("minibatches", [1, 2])  # prox from the training forward, or recomputed first
+def test_logprob_mismatch_is_measured_on_the_trainers_own_version(tok, minibatches):
+    """Behaviour log-probs = the model's own plus known offsets: the metric reports exactly those
+    offsets for tokens of the trainer's version, and ignores an older token's (staleness)."""
+    model = _model(tok)
+    cfg = TrainerConfig(compute_dtype="float32", minibatches=minibatches)
+    trainer = PPOTrainer(model, cfg, temperature=1.0, max_staleness=1, seed=0, policy_version=4)
+    p = _ids(tok, "1+1=")
+    trajs = [_traj(model, p, [5, 6], reward=1.0, group="a", version=4),
+             _traj(model, p, [7], reward=0.0, group="a", version=4),
+             _traj(model, p, [8], reward=1.0, group="b", version=3),
+             _traj(model, p, [9], reward=0.0, group="b", version=4)]
+    for t, offset in zip(trajs, ([0.1, -0.3], [0.0], [5.0], [0.2])):
+        t.behav_logprobs[:] += np.asarray(offset, np.float32)  # the engine's log-probs, off by `offset`
+    stats = trainer.train_step([trajs[:2], trajs[2:]])
+    d = [-0.1, 0.3, 0.0, -0.2]  # log(pi_trainer / pi_engine) of the four version-4 tokens
+    assert stats["train/logprob_mismatch_mean"] == pytest.approx(0.6 / 4, abs=1e-5)
+    assert stats["train/logprob_mismatch_max"] == pytest.approx(0.3, abs=1e-5)
+    assert stats["train/logprob_mismatch_kl"] == pytest.approx(sum(np.exp(x) - 1 - x for x in d) / 4, abs=1e-5)
+    assert stats["train/logprob_mismatch_frac"] == pytest.approx(4 / 5)
+
+
 def test_all_stale_is_not_a_train_step_but_is_reported(tok):
     model = _model(tok)
     before = _params(model)
