@@ -131,6 +131,9 @@ class TrainerConfig:
     # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
     # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)
     loss: str = "decoupled_ppo"
+    # > 0: add kl_coef x KL(pi_theta || pi_ref) (k3 estimate per token) to the loss, pi_ref = the initial weights,
+    # which the trainer then keeps as a frozen copy (one more model in memory, in the compute dtype); 0 = no copy
+    kl_coef: float = 0.0
     # how token terms add up to a minibatch's loss (trainer/loss.py LOSS_AGGS): token_mean (each trained token
     # alike) | seq_mean_token_mean (GRPO: mean over sequences of their token means) | seq_mean_token_sum_norm
     # (Dr.GRPO: token sums / (loss_agg_tokens x sequences))
@@ -320,7 +323,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
     for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
                      ("trainer.micro_batch_overhead_tokens", 0), ("trainer.checkpoint_every", 0),
-                     ("trainer.loss_agg_tokens", 0),
+                     ("trainer.loss_agg_tokens", 0), ("trainer.kl_coef", 0),
                      ("trainer.keep_checkpoints", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")

@@ -37,6 +37,9 @@ minibatch, so a minibatch's loss is the sum of its micro-batches' parts:
   with L = `trainer.loss_agg_tokens` (the generation budget); the weight of a token depends on
   nothing else in the batch.
 
+`kl_penalty` is the optional KL term to a reference policy (`trainer.kl_coef`), added to any
+loss, with the same aggregation weights.
+
 `logprob_mismatch` measures what no loss can remove: the engine's and the trainer's log-probs
 of the same tokens under the SAME weights differ (other kernels, other dtypes, batch-dependent
 reductions), so even at eta = 0 pi_prox / pi_behav is not 1.
@@ -87,6 +90,13 @@ def _check(logprobs: torch.Tensor, others: dict[str, torch.Tensor | None]) -> No
             raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logprobs {tuple(logprobs.shape)}")
 
 
+def _aggregation(loss_weights: torch.Tensor | None, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T] weight of each token's term: `loss_weights` as given, else a token mean over `mask`."""
+    if loss_weights is not None:
+        return loss_weights.to(dtype)
+    return mask.to(dtype) / mask.sum().clamp(min=1).to(dtype)
+
+
 def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
                  behav_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
                  eps_clip: float, behav_weight_cap: float,
@@ -110,7 +120,7 @@ def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.
 
     log_w = torch.where(mask, (prox_logprobs - behav_logprobs).detach().to(logprobs.dtype), zero)
     weight = rule(log_w, behav_weight_cap)  # [B, T] the behaviour weight each token trains with
-    agg = loss_weights.to(logprobs.dtype) if loss_weights is not None else mask.to(logprobs.dtype) / n  # [B, T]
+    agg = _aggregation(loss_weights, mask, logprobs.dtype)  # [B, T]
     loss = -torch.where(mask, agg * weight * surrogate, zero).sum()
 
     with torch.no_grad():
@@ -142,6 +152,24 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, beha
     """
     return _policy_loss(_truncate, logprobs, prox_logprobs, behav_logprobs, advantages, loss_mask,
                         eps_clip=eps_clip, behav_weight_cap=behav_weight_cap, loss_weights=loss_weights)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+               loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """k3 estimate of KL(pi_theta || pi_ref) per token, exp(ref - theta) - (ref - theta) - 1
+    (non-negative, unbiased on tokens pi_theta sampled; GRPO's KL term), summed with
+    `loss_weights` (default: a token mean over loss_mask). Gradient through `logprobs` only.
+    Stats: ref_kl, the token mean of the estimate."""
+    _check(logprobs, {"ref_logprobs": ref_logprobs, "loss_mask": loss_mask, "loss_weights": loss_weights})
+    mask = loss_mask.bool()
+    n = mask.sum().clamp(min=1).to(logprobs.dtype)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    d = torch.where(mask, ref_logprobs.detach().to(logprobs.dtype) - logprobs, zero).clamp(-_MAX_LOG_RATIO,
+                                                                                         _MAX_LOG_RATIO)
+    k3 = torch.exp(d) - d - 1.0  # [B, T]
+    agg = _aggregation(loss_weights, mask, logprobs.dtype)
+    loss = torch.where(mask, agg * k3, zero).sum()
+    return loss, {"ref_kl": float(torch.where(mask, k3, zero).detach().sum() / n)}
 
 
 def logprob_mismatch(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, versions: torch.Tensor,

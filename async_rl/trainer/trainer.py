@@ -22,6 +22,7 @@ cannot make the trainer spin through versions without training.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ import torch
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
-from async_rl.trainer.loss import get_loss, get_loss_agg, logprob_mismatch
+from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
 from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_dtype
 
@@ -83,6 +84,8 @@ class PPOTrainer:
         self.loss_agg = get_loss_agg(cfg.loss_agg)
         self.device = next(model.parameters()).device
         self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.device).dtype  # autocast dtype
+        # pi_ref of trainer.kl_coef: the weights this trainer starts from (a resume loads into `model` only)
+        self.ref_model = self._frozen_copy(model) if cfg.kl_coef > 0 else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
@@ -176,6 +179,7 @@ class PPOTrainer:
         stats = self._staleness(minibatches)
         local = [self._local_share(micros) for micros in minibatches]  # what this process runs
         prox = self._prox_logprobs(local) if len(minibatches) > 1 else None
+        ref = self._ref_logprobs(local) if self.ref_model is not None else None
         acc = _StatsAccumulator()
         steps = skipped = 0
         self.model.train()
@@ -185,7 +189,8 @@ class PPOTrainer:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, batch in enumerate(local[m]):
-                    self._accumulate(batch, prox[m][k] if prox is not None else None, acc)
+                    self._accumulate(batch, prox[m][k] if prox is not None else None,
+                                     ref[m][k] if ref is not None else None, acc)
                 norm = self._clip_grads()
                 acc.add_grad_norm(norm)
                 if math.isfinite(norm):
@@ -202,7 +207,8 @@ class PPOTrainer:
         stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
         return stats
 
-    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, acc: "_StatsAccumulator") -> None:
+    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, ref: torch.Tensor | None,
+                    acc: "_StatsAccumulator") -> None:
         """Forward + backward of one micro-batch; its loss is its part of the minibatch's (batch.loss_weights)."""
         logprobs = self._logprobs(batch)  # [B, L-1]
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
@@ -210,6 +216,10 @@ class PPOTrainer:
         loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
                                eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap,
                                loss_weights=batch.loss_weights)
+        if ref is not None:
+            kl, kl_stats = kl_penalty(logprobs, ref, batch.loss_mask, batch.loss_weights)
+            loss = loss + self.cfg.kl_coef * kl
+            s.update(kl_stats)
         loss.backward()
         acc.add(s, batch.num_tokens)
         acc.add_total("loss", float(loss.detach()))
@@ -273,6 +283,21 @@ class PPOTrainer:
     def _prox_logprobs(self, minibatches: list[list[Batch]]) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the weights at the start of the step."""
         return [[self._logprobs(b) for b in micros] for micros in minibatches]
+
+    @torch.no_grad()
+    def _ref_logprobs(self, minibatches: list[list[Batch]]) -> list[list[torch.Tensor]]:
+        """Log-probs of every micro-batch under the reference weights (trainer.kl_coef)."""
+        with self._autocast():
+            return [[token_logprobs(self.ref_model, b.input_ids, b.attention_mask, self.temperature,
+                                    score_mask=b.loss_mask) for b in micros] for micros in minibatches]
+
+    def _frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A copy of `model` that never trains, in the compute dtype: one more model in memory (half
+        of an fp32 copy under bf16 autocast), which is why trainer.kl_coef is off by default."""
+        ref = copy.deepcopy(model).to(self.compute_dtype).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
 
 
 class _StatsAccumulator:

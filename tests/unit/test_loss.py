@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss, get_loss_agg, logprob_mismatch
+from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss, get_loss_agg, kl_penalty, logprob_mismatch
 
 EPS, CAP = 0.2, 5.0
 
@@ -263,3 +263,19 @@ def test_logprob_mismatch_over_the_tokens_of_the_trainers_version():
     assert stats["logprob_mismatch_kl"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 3, rel=1e-4)
     stats, n = logprob_mismatch(prox, behav, versions, _t([1, 1, 1, 1, 0]), version=4)
     assert n == 0 and stats["logprob_mismatch_max"] == 0.0
+
+
+# ------------------------------------------------------------------ KL to a reference policy
+def test_kl_penalty_matches_hand_computation():
+    lp = torch.tensor([[-1.0, -2.0, -4.0]], requires_grad=True)
+    ref = _t([-1.5, -1.0, 9.0])
+    loss, stats = kl_penalty(lp, ref, _t([1, 1, 0]))
+    # d = ref - theta = -0.5, 1.0 (the third token is not trained); k3 = e^d - d - 1
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 2]  # 0.1065, 0.7183
+    assert float(loss.detach()) == pytest.approx(sum(k3) / 2, rel=1e-6)
+    assert stats["ref_kl"] == pytest.approx(sum(k3) / 2, rel=1e-6)
+    loss.backward()
+    # d k3 / d theta = 1 - e^d: a token theta rates above the reference is pushed down, one below pushed up
+    assert lp.grad[0].tolist() == pytest.approx([(1 - math.exp(-0.5)) / 2, (1 - math.exp(1.0)) / 2, 0.0], rel=1e-6)
+    weighted, _ = kl_penalty(lp.detach(), ref, _t([1, 1, 0]), loss_weights=_t([0.25, 0.5, 0.25]))
+    assert float(weighted) == pytest.approx(0.25 * k3[0] + 0.5 * k3[1], rel=1e-6)

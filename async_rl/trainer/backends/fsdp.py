@@ -187,6 +187,9 @@ def _visible_cores() -> int:
 def check(cfg: TrainerConfig) -> None:
     """Fail before any process starts if this machine cannot hold `trainer.world_size` CPU ranks
     (GPUs for CUDA ranks are counted where they are placed: async_rl/placement.py)."""
+    if cfg.kl_coef > 0:
+        raise ValueError(f"trainer.kl_coef: the fsdp backend keeps no reference model yet (got {cfg.kl_coef}); "
+                         "use trainer.backend=single, or trainer.kl_coef=0")
     device = resolve_device(cfg.device, "trainer.device")
     n = cfg.world_size
     if device.type == "cpu" and n > _visible_cores():
