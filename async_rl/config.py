@@ -131,6 +131,9 @@ class TrainerConfig:
     # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
     # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)
     loss: str = "decoupled_ppo"
+    # DAPO's dynamic sampling: groups whose rewards are all equal are set aside (consumed, released from the
+    # staleness count so as many more are admitted) until the batch holds batch_size trajectories with signal
+    dynamic_sampling: bool = False
     # > 0: add kl_coef x KL(pi_theta || pi_ref) (k3 estimate per token) to the loss, pi_ref = the initial weights,
     # which the trainer then keeps as a frozen copy (one more model in memory, in the compute dtype); 0 = no copy
     kl_coef: float = 0.0
