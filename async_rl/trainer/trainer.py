@@ -37,6 +37,7 @@ from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
 from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
+from async_rl.trainer.stats import StatsAccumulator
 from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_dtype
 
@@ -180,7 +181,7 @@ class PPOTrainer:
         local = [self._local_share(micros) for micros in minibatches]  # what this process runs
         prox = self._prox_logprobs(local) if len(minibatches) > 1 else None
         ref = self._ref_logprobs(local) if self.ref_model is not None else None
-        acc = _StatsAccumulator()
+        acc = StatsAccumulator()
         steps = skipped = 0
         self.model.train()
         try:
@@ -208,7 +209,7 @@ class PPOTrainer:
         return stats
 
     def _accumulate(self, batch: Batch, prox: torch.Tensor | None, ref: torch.Tensor | None,
-                    acc: "_StatsAccumulator") -> None:
+                    acc: StatsAccumulator) -> None:
         """Forward + backward of one micro-batch; its loss is its part of the minibatch's (batch.loss_weights)."""
         logprobs = self._logprobs(batch)  # [B, L-1]
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
@@ -241,7 +242,7 @@ class PPOTrainer:
         """The micro-batches of one minibatch this process runs forward and backward."""
         return [b for b in micros if b.num_tokens]
 
-    def _stats_result(self, acc: "_StatsAccumulator") -> dict[str, float]:
+    def _stats_result(self, acc: StatsAccumulator) -> dict[str, float]:
         return acc.result()
 
     def _autocast(self):
@@ -298,37 +299,3 @@ class PPOTrainer:
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref
-
-
-class _StatsAccumulator:
-    """Stats of a step's micro-batches, prefixed `train/`: weighted means (each `add` says how many
-    tokens its stats were measured on), maxima for `*_max` keys, and totals per minibatch (a
-    minibatch's loss is the sum of its micro-batches' parts) averaged over the minibatches."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-        self.totals: dict[str, float] = {}
-        self.norms: list[float] = []
-
-    def add(self, stats: dict[str, float], weight: int) -> None:
-        for key, value in stats.items():
-            if key.endswith("_max"):
-                self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * weight
-                self.weights[key] = self.weights.get(key, 0.0) + weight
-
-    def add_total(self, key: str, value: float) -> None:
-        self.totals[key] = self.totals.get(key, 0.0) + value
-
-    def add_grad_norm(self, norm: float) -> None:
-        self.norms.append(norm)
-
-    def result(self) -> dict[str, float]:
-        out = {f"train/{k}": v / self.weights[k] if self.weights[k] else 0.0 for k, v in self.sums.items()}
-        out.update({f"train/{k}": v for k, v in self.maxes.items()})
-        out.update({f"train/{k}": v / max(1, len(self.norms)) for k, v in self.totals.items()})
-        out["train/grad_norm"] = float(np.mean(self.norms)) if self.norms else 0.0
-        return out

@@ -43,7 +43,8 @@ from async_rl.trainer.backends.gather import gather_optimizer_state, gather_stat
 from async_rl.trainer.backends.scatter import load_sharded
 from async_rl.trainer.batching import Batch, token_logprobs
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
-from async_rl.trainer.trainer import PPOTrainer, _StatsAccumulator
+from async_rl.trainer.stats import StatsAccumulator
+from async_rl.trainer.trainer import PPOTrainer
 from async_rl.utils.hardware import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class FSDPTrainer(PPOTrainer):
                                                loss_weights=torch.zeros_like(idle.loss_weights)))
         return out
 
-    def _stats_result(self, acc: _StatsAccumulator) -> dict[str, float]:
+    def _stats_result(self, acc: StatsAccumulator) -> dict[str, float]:
         """Weighted sums, their weights, totals and maxima of every rank combined; every rank ran the same
         stat keys (the gradient norms are already global)."""
         keys, total_keys, max_keys = sorted(acc.sums), sorted(acc.totals), sorted(acc.maxes)
