@@ -135,15 +135,29 @@ class TrainerConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max gradient norm (0 = off)
     eps_clip: float = 0.2  # PPO clip range
-    behav_weight_cap: float = 5.0  # cap on the behaviour importance weight pi_prox / pi_behav
+    behav_weight_cap: float = 5.0  # c: the behaviour weight pi_prox / pi_behav is cut at c (or masked: trainer.loss)
     minibatches: int = 1  # optimizer steps per train step (each on 1/minibatches of the batch)
     micro_batch_tokens: int = 4096  # token budget of one forward/backward
     # what one more forward/backward costs, in padded tokens: a batch is cut into more micro-batches
     # where that saves more padding (a long-tailed batch padded to its longest response wastes most)
     micro_batch_overhead_tokens: int = 256
-    loss: str = "decoupled_ppo"  # policy loss from trainer/loss.py LOSSES: decoupled_ppo | no_behav_correction (ablation)
-    adv_std_norm: bool = True  # divide group-centred rewards by the group std (GRPO); false = Dr.GRPO
-    advantage: str = "grpo"  # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores)
+    # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
+    # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)
+    loss: str = "decoupled_ppo"
+    # DAPO's dynamic sampling: groups whose rewards are all equal are set aside (consumed, released from the
+    # staleness count so as many more are admitted) until the batch holds batch_size trajectories with signal
+    dynamic_sampling: bool = False
+    # > 0: add kl_coef x KL(pi_theta || pi_ref) (k3 estimate per token) to the loss, pi_ref = the initial weights,
+    # which the trainer then keeps as a frozen copy (one more model in memory, in the compute dtype); 0 = no copy
+    kl_coef: float = 0.0
+    # how token terms add up to a minibatch's loss (trainer/loss.py LOSS_AGGS): token_mean (each trained token
+    # alike) | seq_mean_token_mean (GRPO: mean over sequences of their token means) | seq_mean_token_sum_norm
+    # (Dr.GRPO: token sums / (loss_agg_tokens x sequences))
+    loss_agg: str = "token_mean"
+    loss_agg_tokens: int = 0  # seq_mean_token_sum_norm: the constant per-sequence divisor; 0 = rollout.max_new_tokens
+    adv_std_norm: bool = True  # grpo, grpo_turn: divide group-centred rewards by the group std; false = centred only
+    # estimator from trainer/advantages.py ADVANTAGES: grpo | grpo_turn (+ turn scores) | dr_grpo | rloo
+    advantage: str = "grpo"
     turn_adv_coef: float = 1.0  # grpo_turn: weight of the group-normalised turn score on its turn's tokens
     checkpoint_every: int = 0  # also save a checkpoint every N steps (0 = only as checkpoint_budget allows)
     # Checkpoints are what a restarted trainer resumes from, and what commits consumption: the
@@ -326,6 +340,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("agent.max_user_turns and rollout.trace_every: must be >= 0")
     for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
                      ("trainer.micro_batch_overhead_tokens", 0), ("trainer.checkpoint_every", 0),
+                     ("trainer.loss_agg_tokens", 0), ("trainer.kl_coef", 0),
                      ("trainer.keep_checkpoints", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")

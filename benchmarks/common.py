@@ -1,7 +1,8 @@
-"""What every benchmark records next to its table: the command that made it and the machine it ran on."""
+"""What every benchmark records next to its table: the command that made it, the machine it ran on, the date."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -41,13 +42,15 @@ def command() -> str:
 
 
 def write_results(name: str, markdown: str, data: dict) -> Path:
-    """benchmarks/results/NAME.md (table, command, machine) and NAME.json; returns the .md path."""
+    """benchmarks/results/NAME.md (table, command, machine, date) and NAME.json; returns the .md path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     m = machine()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"Command: `{command()}`\n\nMachine: {m['processor']}, CPU capability {m['cpu_capability']}, "
               f"{m['cores']} cores, bf16 GEMM {m['cpu_bf16_gemm_speedup']}x fp32"
-              + (f", GPU {m['gpu']}" if "gpu" in m else "") + "\n\n")
+              + (f", GPU {m['gpu']}" if "gpu" in m else "") + f"\n\nDate: {date}\n\n")
     out = RESULTS / f"{name}.md"
     out.write_text(f"# {name}\n\n{header}{markdown}\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps({"command": command(), "machine": m, **data}, indent=2))
+    (RESULTS / f"{name}.json").write_text(json.dumps({"command": command(), "machine": m, "date": date, **data},
+                                                     indent=2))
     return out

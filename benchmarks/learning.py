@@ -1,15 +1,23 @@
-"""Is async learning sound? Held-out accuracy at equal trained samples, sync vs async, several seeds.
+"""Does asynchrony cost learning? Held-out accuracy at equal trained samples: sync vs async eta = 1, 2, 4, 8.
 
-SmolLM2-135M on arithmetic (configs/smollm2_arith.yaml): sync and async at max_staleness 1, 2, 4,
-three seeds each, plus async at a large bound with the behaviour-policy correction switched off
-(`trainer.loss=no_behav_correction`) to show what the decoupled loss buys. Every run evaluates
-greedy accuracy on the held-out set every `--eval-every` versions beside training, so
-time-to-accuracy (training wall time of the first evaluation at >= 0.70 and >= 0.75) is measured.
+On `configs/learning_arith.yaml` (SmolLM2-135M on two-digit sums, a task meant to keep improving
+past 40 steps), every setting trains the same number of steps from the same seeds: `mode=sync`,
+async at max_staleness 1, 2, 4, 8 with the decoupled loss's behaviour correction, and async at 8
+without it (`trainer.loss=no_behav_correction`), the ablation. Each run scores greedy accuracy on
+`--eval-size` held-out problems (`task.eval_size`, >= 256 so that one run's evaluation noise,
+about +-0.03, is small against the differences measured) before training, every `--eval-every`
+versions beside it, and after it.
 
-    python benchmarks/learning.py                                   # the full table (hours on 2 CPU cores)
-    python benchmarks/learning.py --seeds 0 --settings sync async-2  # a slice
+    python benchmarks/learning.py                                      # the full table (hours on 2 CPU cores)
+    python benchmarks/learning.py --settings sync sync-no-correction --name learning_mismatch  # what the mismatch costs
+    python benchmarks/learning.py --config configs/debug_cpu.yaml --settings sync async-4 --seeds 0 --steps 4 \
+        --eval-every 2 --eval-size 32 --name learning_smoke                     # a smoke test (2 minutes)
 
-Prints a table (mean +- std over seeds) and writes benchmarks/results/learning.{md,json,png}.
+Prints a table of medians (min-max over seeds) and writes benchmarks/results/NAME.{md,json} (the
+command, the machine, the date) and NAME.png (median held-out accuracy and train reward per step).
+Per-step training signals come from each run's metrics: the engine/trainer log-prob mismatch
+(`train/logprob_mismatch_mean`, tokens sampled by the trainer's own version) and the share of
+tokens whose behaviour weight exceeded the cap (`train/behav_capped_frac`).
 """
 
 from __future__ import annotations
@@ -32,90 +40,146 @@ SETTINGS = {
     "async-1": ["mode=async", "max_staleness=1"],
     "async-2": ["mode=async", "max_staleness=2"],
     "async-4": ["mode=async", "max_staleness=4"],
-    "async-8-no-correction": ["mode=async", "max_staleness=8", "trainer.loss=no_behav_correction"],
     "async-8": ["mode=async", "max_staleness=8"],
+    "async-8-no-correction": ["mode=async", "max_staleness=8", "trainer.loss=no_behav_correction"],
+    # not in the default table: at eta = 0 the behaviour weight corrects only the engine/trainer
+    # log-prob mismatch, so this measures what that mismatch costs when nothing corrects it
+    "sync-no-correction": ["mode=sync", "trainer.loss=no_behav_correction"],
 }
-DEFAULT = ["sync", "async-1", "async-2", "async-4", "async-8-no-correction"]
+DEFAULT = ["sync", "async-1", "async-2", "async-4", "async-8", "async-8-no-correction"]
 
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
-def run_one(config: str, label: str, seed: int, steps: int, eval_every: int, run_dir: Path, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "launch.cli", "run", "--config", config, f"seed={seed}", f"total_steps={steps}",
-           f"run_dir={run_dir}", f"rollout.eval_every={eval_every}", "log.progress=false", *SETTINGS[label], *extra]
+def run_one(args: argparse.Namespace, label: str, seed: int, run_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "launch.cli", "run", "--config", args.config, f"seed={seed}",
+           f"total_steps={args.steps}", f"run_dir={run_dir}", f"rollout.eval_every={args.eval_every}",
+           f"task.eval_size={args.eval_size}", "log.progress=false", *SETTINGS[label], *args.overrides]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{label} seed {seed} failed:\n{res.stderr[-2000:]}")
+    return summarise(label, seed, run_dir, time.perf_counter() - t0)
+
+
+def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:
+    """One run's row: accuracies from eval.jsonl, per-step signals from metrics.jsonl."""
     evals = _jsonl(run_dir / "eval.jsonl")
-    periodic = [e for e in evals if e["when"] == "periodic"]
-    final = next(e for e in evals if e["when"] == "after")
     before = next(e for e in evals if e["when"] == "before")
+    after = next(e for e in evals if e["when"] == "after")
+    curve = [(0, before["eval/accuracy"])] + [(e["step"], e["eval/accuracy"]) for e in evals
+                                              if e["when"] == "periodic"]
+    if not curve or curve[-1][0] < after["policy_version"]:
+        curve.append((after["policy_version"], after["eval/accuracy"]))
+    steps = _jsonl(run_dir / "metrics.jsonl")
 
-    def reach(threshold: float) -> float | None:
-        return next((e["timing/train_wall_s"] for e in periodic if e["eval/accuracy"] >= threshold), None)
+    def step_mean(key: str, measured: str | None = None) -> float:
+        """Mean over steps of `key`, over the steps where `measured` (a share of tokens) is > 0."""
+        vals = [r[key] for r in steps
+                if r.get(key) is not None and (measured is None or r.get(measured, 0) > 0)]
+        return statistics.mean(vals) if vals else float("nan")
 
-    return {"setting": label, "seed": seed, "acc_before": before["eval/accuracy"], "acc_after": final["eval/accuracy"],
-            "time_to_0.70_s": reach(0.70), "time_to_0.75_s": reach(0.75), "wall_s": time.perf_counter() - t0,
-            "curve": [(e["step"], e["timing/train_wall_s"], e["eval/accuracy"]) for e in periodic]}
+    return {"setting": label, "seed": seed, "eval_n": after["eval/n"], "acc_before": before["eval/accuracy"],
+            "acc_after": after["eval/accuracy"], "acc_last3": statistics.mean(a for _, a in curve[-3:]),
+            "acc_peak": max(a for _, a in curve), "curve": curve,
+            "reward": [(r["step"], r["train/reward_mean"]) for r in steps],
+            "train_s_per_step": step_mean("timing/step_s"),
+            "mismatch_mean": step_mean("train/logprob_mismatch_mean", "train/logprob_mismatch_frac"),
+            "mismatch_max": max((r.get("train/logprob_mismatch_max", 0.0) for r in steps), default=float("nan")),
+            "behav_capped_frac": step_mean("train/behav_capped_frac"),
+            "behav_weight_max": max((r.get("train/behav_weight_max", 0.0) for r in steps), default=float("nan")),
+            "dropped_stale": sum(r.get("train/dropped_stale", 0) for r in steps), "wall_s": wall_s}
 
 
-def _mean_std(values: list[float]) -> str:
-    if not values:
+def _spread(values: list[float], spec: str = ".3f") -> str:
+    """Median (min-max) over seeds; one value alone as itself."""
+    vals = [v for v in values if v == v]  # NaN: not measured
+    if not vals:
         return "n/a"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+    if len(vals) == 1:
+        return format(vals[0], spec)
+    return f"{format(statistics.median(vals), spec)} ({format(min(vals), spec)}-{format(max(vals), spec)})"
+
+
+COLUMNS = [("final accuracy", "acc_after", ".3f"), ("mean of last 3 evals", "acc_last3", ".3f"),
+           ("peak accuracy", "acc_peak", ".3f"), ("train s/step", "train_s_per_step", ".1f"),
+           ("log-prob mismatch, mean abs (lag 0)", "mismatch_mean", ".4f"),
+           ("behaviour weight max", "behav_weight_max", ".2f"), ("capped share", "behav_capped_frac", ".4f")]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| setting | seeds | accuracy before | accuracy after (equal trained samples) | time to 0.70 s | "
-             "time to 0.75 s | runs reaching 0.75 |", "|---|---|---|---|---|---|---|"]
+    lines = ["| setting | seeds | accuracy before | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
+             "|---" * (3 + len(COLUMNS)) + "|"]
     for label in dict.fromkeys(r["setting"] for r in rows):
         rs = [r for r in rows if r["setting"] == label]
-        t70 = [r["time_to_0.70_s"] for r in rs if r["time_to_0.70_s"] is not None]
-        t75 = [r["time_to_0.75_s"] for r in rs if r["time_to_0.75_s"] is not None]
-        lines.append(f"| {label} | {len(rs)} | {_mean_std([r['acc_before'] for r in rs])} | "
-                     f"{_mean_std([r['acc_after'] for r in rs])} | {_mean_std(t70)} | {_mean_std(t75)} | "
-                     f"{len(t75)}/{len(rs)} |")
+        cells = [_spread([r[key] for r in rs], spec) for _, key, spec in COLUMNS]
+        lines.append(f"| {label} | {len(rs)} | {_spread([r['acc_before'] for r in rs])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def median_curves(rows: list[dict], key: str) -> dict[str, tuple[list[float], list[float]]]:
+    """Per setting, the median over seeds of a per-step curve, at the steps every seed has."""
+    out = {}
+    for label in dict.fromkeys(r["setting"] for r in rows):
+        curves = [dict(r[key]) for r in rows if r["setting"] == label]
+        xs = sorted(set.intersection(*(set(c) for c in curves)))
+        out[label] = (xs, [statistics.median(c[x] for c in curves) for x in xs])
+    return out
+
+
+def plot(rows: list[dict], path: Path, eval_n: int) -> None:
+    from async_rl.report.plots import new_figure, plot_curves, save
+
+    fig, (acc, reward) = new_figure(2, title="Learning at equal trained samples: median over seeds")
+    plot_curves(median_curves(rows, "curve"), ax=acc, title=f"held-out greedy accuracy ({eval_n} problems)",
+                xlabel="policy version (train steps)", ylabel="accuracy", markers=True)
+    plot_curves(median_curves(rows, "reward"), ax=reward, title="train reward", xlabel="train step",
+                ylabel="mean reward", smooth_window=5)
+    save(fig, path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/smollm2_arith.yaml")
+    ap.add_argument("--config", default="configs/learning_arith.yaml")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--settings", nargs="+", default=DEFAULT, choices=list(SETTINGS))
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--eval-every", type=int, default=8)
+    ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--name", default="learning")
     ap.add_argument("--reuse", action="store_true",
-                    help="keep the result of a run already finished under runs/learning/ (resume an interrupted table)")
+                    help="keep the rows of runs already finished under runs/NAME/ (continue an interrupted table)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
-    rows, curves = [], {}
+    rows = []
     for label in args.settings:
         for seed in args.seeds:
-            run_dir = ROOT / "runs" / "learning" / f"{label}_s{seed}"
+            run_dir = ROOT / "runs" / args.name / f"{label}_s{seed}"
             saved = run_dir / "learning_row.json"
             if args.reuse and saved.is_file():
                 rows.append(json.loads(saved.read_text()))
             else:
-                rows.append(run_one(args.config, label, seed, args.steps, args.eval_every, run_dir, args.overrides))
+                rows.append(run_one(args, label, seed, run_dir))
                 saved.write_text(json.dumps(rows[-1]))
-            curves[f"{label} seed {seed}"] = run_dir
             r = rows[-1]
-            print(f"{label} seed {seed}: accuracy {r['acc_before']:.3f} -> {r['acc_after']:.3f}, "
-                  f"0.70 at {r['time_to_0.70_s']}, 0.75 at {r['time_to_0.75_s']} ({r['wall_s']:.0f}s)", flush=True)
+            print(f"{label} seed {seed}: accuracy {r['acc_before']:.3f} -> {r['acc_after']:.3f} "
+                  f"(last 3 evals {r['acc_last3']:.3f}, peak {r['acc_peak']:.3f}), {r['wall_s']:.0f}s", flush=True)
     text = table(rows)
     print(text)
-    note = (f"\n\n{args.steps} train steps per run (equal trained samples); accuracy: greedy, on the config's "
-            f"held-out set; time to X: training wall time (since generation began) of the first evaluation at "
-            f">= X, evaluating every {args.eval_every} versions.")
-    write_results(args.name, text + note, {"rows": rows})
-    from async_rl.report import compare_runs
-
-    compare_runs(curves, ROOT / "benchmarks" / "results" / f"{args.name}.png", title="Held-out accuracy: sync vs async")
+    eval_n = rows[0]["eval_n"]
+    note = (f"\n\n{args.steps} train steps per run (equal trained samples), seeds {args.seeds}, config "
+            f"`{args.config}`{' ' + ' '.join(args.overrides) if args.overrides else ''}. Accuracy: greedy, on "
+            f"{eval_n} held-out problems (one run's binomial noise at accuracy p: sqrt(p(1-p)/{eval_n}), "
+            f"{(0.25 / eval_n) ** 0.5:.3f} at p = 0.5), evaluated every {args.eval_every} versions beside training; "
+            "cells are the median over seeds (min-max). Log-prob mismatch: mean |log pi_trainer - log pi_engine| "
+            "over tokens sampled by the trainer's own version, averaged over the steps that had such tokens; "
+            "behaviour weight max: the largest pi_prox / pi_behav of any step; capped share: tokens whose weight "
+            "exceeded trainer.behav_weight_cap, averaged over steps.")
+    write_results(args.name, text + note, {"rows": rows, "steps": args.steps, "seeds": args.seeds,
+                                           "config": args.config, "overrides": args.overrides})
+    plot(rows, ROOT / "benchmarks" / "results" / f"{args.name}.png", eval_n)
 
 
 if __name__ == "__main__":

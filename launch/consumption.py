@@ -3,16 +3,18 @@
     policy = CheckpointPolicy(every=0, budget=0.05)
     book = Consumption(ledger, queue, prompts)      # prompts: positions a resume restored
     book.consume(step, kept, stale, future)         # after a train step (ledger + room freed)
+    book.filtered(step, trajs)                      # dynamic sampling set them aside for step's batch
     if policy.due(step + 1): save(); book.commit(step + 1)
 
-A trajectory the trainer consumed (trained, or dropped as over-stale or as sampled by newer
-weights than the trainer's) frees its room in the queue at once, but its producer is told
-only at the next checkpoint (`commit`): until then the rollout side keeps it in its outbox,
-so a trainer that crashes and resumes from that checkpoint gets it sent again and trains it
-again, in the history of the final weights exactly once. The checkpoint policy keeps this
-cheap: a checkpoint is due once the time since the last one reaches its measured cost
-divided by `trainer.checkpoint_budget` (5%: a checkpoint taking 3 s comes every minute, a
-tiny model's every step), and every `trainer.checkpoint_every` steps where that is set.
+A trajectory the trainer consumed (trained, dropped as over-stale or as sampled by newer
+weights than the trainer's, or filtered by dynamic sampling) frees its room in the queue at
+once, but its producer is told only at the next checkpoint (`commit`): until then the
+rollout side keeps it in its outbox, so a trainer that crashes and resumes from that
+checkpoint gets it sent again and trains it again, in the history of the final weights
+exactly once. The checkpoint policy keeps this cheap: a checkpoint is due once the time
+since the last one reaches its measured cost divided by `trainer.checkpoint_budget` (5%: a
+checkpoint taking 3 s comes every minute, a tiny model's every step), and every
+`trainer.checkpoint_every` steps where that is set.
 """
 
 from __future__ import annotations
@@ -59,10 +61,18 @@ class Consumption:
     def consume(self, step: int, kept: list[Trajectory], stale: list[Trajectory], future: list[Trajectory]) -> None:
         """A batch went through step `step`: record what became of each trajectory, free its room."""
         for event, trajs in (("trained", kept), ("dropped_stale", stale), ("dropped_future", future)):
-            if trajs:
-                self.ledger.record(event, [t.id for t in trajs], prompts=[prompt_of(t.info) for t in trajs], step=step)
-                self.prompts.update(q for t in trajs if (q := prompt_of(t.info)) is not None)
-        ids = [t.id for t in (*kept, *stale, *future)]
+            self._record(event, step, trajs)
+
+    def filtered(self, step: int, trajs: list[Trajectory]) -> None:
+        """Groups without reward variance, set aside while step `step`'s batch was filled: consumed."""
+        self._record("filtered", step, trajs)
+
+    def _record(self, event: str, step: int, trajs: list[Trajectory]) -> None:
+        if not trajs:
+            return
+        self.ledger.record(event, [t.id for t in trajs], prompts=[prompt_of(t.info) for t in trajs], step=step)
+        self.prompts.update(q for t in trajs if (q := prompt_of(t.info)) is not None)
+        ids = [t.id for t in trajs]
         self.queue.ack(ids, commit=False)
         self.uncommitted += ids
 

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from async_rl.config import Config
 from async_rl.trainer.backends import train_staleness
 from async_rl.trainer.checkpoint import prune_checkpoints
+from async_rl.trainer.dynamic_sampling import fill_batch
 from async_rl.trainer.trainer import split_by_age
 from async_rl.utils.ledger import Ledger, committed_state
 from async_rl.utils.prompts import PromptSet
@@ -49,8 +50,9 @@ class PeerLostError(RuntimeError):
     """No rollout producer has been heard from for too long."""
 
 
-def _wait_batch(queue: TrajectoryQueueServer, cfg: Config, on_tick=None) -> list:
-    """Block until a train batch is buffered; fail clearly if the rollout side is lost.
+def _wait_batch(queue: TrajectoryQueueServer, cfg: Config, on_tick=None, num: int = 0) -> list:
+    """Block until `num` trajectories (whole groups; default a train batch) are buffered; fail
+    clearly if the rollout side is lost.
 
     The queue drops a producer silent for transport.peer_timeout_s (checked every heartbeat_s);
     when that leaves none, the rollout side is reported lost at once, so a killed rollout side
@@ -66,7 +68,7 @@ def _wait_batch(queue: TrajectoryQueueServer, cfg: Config, on_tick=None) -> list
             on_tick()
         try:
             # acknowledged only once trained and published: a trainer crash mid-step loses nothing
-            return queue.get_groups(cfg.trainer.batch_size, timeout=cfg.transport.heartbeat_s, ack=False)
+            return queue.get_groups(num or cfg.trainer.batch_size, timeout=cfg.transport.heartbeat_s, ack=False)
         except QueueTimeout:
             stats = queue.stats()
             if stats.get("queue/producers", 0):
@@ -167,8 +169,10 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             t0 = time.perf_counter()
             if cores is not None:
                 cores.idle()
+            filtered: list[list] = []
             try:
-                groups = _wait_batch(queue, cfg, on_tick=lambda: (rejoin.check(), book.note_sessions(), drain.check()))
+                groups = _next_batch(queue, cfg, book, step, filtered,
+                                     on_tick=lambda: (rejoin.check(), book.note_sessions(), drain.check()))
             except DrainRequested:
                 break
             wait_s = time.perf_counter() - t0
@@ -190,6 +194,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size,
                                     book.prompts)
             stats["train/skipped_batches"] = skipped
+            stats.update(_filtered_stats(filtered))
             t1 = time.perf_counter()
             stats.update(publish_weights(publisher, queue, trainer.weights(), trainer.policy_version))
             stats.update(queue.stats())
@@ -315,6 +320,34 @@ def _skip_batch(queue: TrajectoryQueueServer, n: int, version: int, skipped: int
     queue.broadcast({"kind": "release", "n": n,
                      "reason": f"all {n} trajectories over-stale or newer than the weights at version {version}"})
     logger.warning("skipped batch %d: %d trajectories dropped, version stays %d", skipped, n, version)
+
+
+def _next_batch(queue: TrajectoryQueueServer, cfg: Config, book: Consumption, step: int, filtered: list,
+                on_tick) -> list:
+    """The groups of step `step`. With trainer.dynamic_sampling, groups without reward variance are
+    set aside (appended to `filtered`), consumed and released from the rollout side's staleness
+    count, so its gate admits replacements, until a batch with signal is in hand."""
+    def take(n: int) -> list:
+        return _wait_batch(queue, cfg, on_tick=on_tick, num=n)
+
+    if not cfg.trainer.dynamic_sampling:
+        return take(cfg.trainer.batch_size)
+
+    def set_aside(groups: list) -> None:
+        trajs = [t for g in groups for t in g]
+        book.filtered(step, trajs)
+        queue.broadcast({"kind": "release", "n": len(trajs), "quiet": True,
+                         "reason": f"{len(groups)} groups without reward variance filtered (dynamic sampling)"})
+        filtered.extend(groups)
+
+    return fill_batch(take, cfg.trainer.batch_size, set_aside)
+
+
+def _filtered_stats(filtered: list) -> dict[str, float]:
+    """What dynamic sampling set aside while this step's batch was filled."""
+    rewards = [t.reward for g in filtered for t in g]
+    return {"train/filtered_groups": float(len(filtered)),
+            "train/filtered_reward_mean": float(sum(rewards) / len(rewards)) if rewards else 0.0}
 
 
 def _log_trajectories(log: MetricsLogger, groups: list, step: int) -> None:

@@ -70,6 +70,7 @@ class RolloutController:
         self.trajectories_pushed = 0
         self.interrupted = 0
         self.restarted_stale = 0
+        self.released = 0  # trajectories the trainer consumed without a version (dropped whole, filtered)
         self.superseded = 0  # weight versions skipped: pruned behind newer ones before any server loaded them
         self._attempts: dict[asyncio.Task, int] = {}  # generations in flight -> the version each started under
         self._running: dict[int, asyncio.Task] = {}  # prompt position -> its group, until generated
@@ -223,6 +224,7 @@ class RolloutController:
             self.periodic_eval.maybe_start(version)
         stats.update({"rollout/groups_pushed": self.groups_pushed, "rollout/trajectories_pushed": self.trajectories_pushed,
                       "rollout/interrupted": self.interrupted, "rollout/restarted_stale": self.restarted_stale,
+                      "rollout/released": self.released,
                       "rollout/weights_superseded": self.superseded,
                       "rollout/in_flight": sum(self.pool.in_flight),
                       **self.gate.stats(), **self.pool.stats()})
@@ -254,10 +256,12 @@ class RolloutController:
             kind = msg.get("kind")
             if kind == "weights":
                 await self.apply_weights(msg)
-            elif kind == "release":
+            elif kind == "release":  # consumed without a version spent on them: room for as many more
                 self.gate.release(int(msg.get("n", 0)))
-                logger.warning("trainer dropped %s over-stale trajectories without a train step (%s)",
-                               msg.get("n"), msg.get("reason", ""))
+                self.released += int(msg.get("n", 0))
+                logger.log(logging.DEBUG if msg.get("quiet") else logging.WARNING,
+                           "trainer released %s trajectories from the staleness count (%s)", msg.get("n"),
+                           msg.get("reason", ""))
             elif kind == "stop":
                 self.final_version = int(msg.get("final_version", self.gate.version))
                 logger.info("trainer finished at version %s: stopping rollout", self.final_version)

@@ -1,4 +1,4 @@
-"""Advantage estimators: group-relative (GRPO, Dr.GRPO) trajectory credit, optionally plus turn credit.
+"""Advantage estimators: group-relative (GRPO, Dr.GRPO, RLOO) trajectory credit, optionally plus turn credit.
 
 A group is the n samples drawn for one prompt (same `group_id`). An estimator maps a
 batch of trajectories to advantages, chosen by `trainer.advantage` from `ADVANTAGES`:
@@ -7,6 +7,13 @@ batch of trajectories to advantages, chosen by `trainer.advantage` from `ADVANTA
   minus the group mean, divided by the group's standard deviation (`trainer.adv_std_norm`,
   else left unscaled as in Dr.GRPO). The reward is trajectory-level, so every trained
   token of a multi-turn episode, in every model turn, gets the same value. Returns [N].
+- `dr_grpo` (Dr.GRPO, "Understanding R1-Zero-like training"): the reward minus the group mean,
+  never divided by the std (whatever `trainer.adv_std_norm` says): the std favours groups that
+  are nearly all right or all wrong. Dr.GRPO's other half, no per-sequence length
+  normalisation, is in the loss aggregation (`trainer.loss_agg`, trainer/loss.py). Returns [N].
+- `rloo` (REINFORCE leave-one-out): the reward minus the mean of the OTHER samples of its
+  group, r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); no std. A group of
+  one has no other sample and gets 0. Returns [N].
 - `grpo_turn`: the `grpo` value on every trained token, plus `trainer.turn_adv_coef` times a
   group-normalised turn score on the tokens of each scored turn. Returns [N, M]: one value
   per trained token (loss_mask 1), in order, zero-padded to the longest M.
@@ -34,6 +41,7 @@ response). What `grpo_turn` does with them, and why:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +50,13 @@ import torch
 
 from async_rl.config import TrainerConfig
 from async_rl.types import Trajectory
+
+
+def no_signal(rewards: np.ndarray, eps: float = 1e-6) -> bool:
+    """A group whose rewards are all equal (within eps; a group of one included) carries no
+    learning signal: group-relative advantages are zero, and dynamic sampling drops it."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1)
+    return not len(r) or float(np.abs(r - r.mean()).max()) <= eps
 
 
 def group_advantages(rewards: np.ndarray | torch.Tensor | Sequence[float], group_ids: Sequence[Any], *,
@@ -64,9 +79,9 @@ def group_advantages(rewards: np.ndarray | torch.Tensor | Sequence[float], group
         members.setdefault(g, []).append(i)
     for idx in members.values():
         vals = r[idx]
-        centred = vals - vals.mean()
-        if np.abs(centred).max() <= eps:
+        if no_signal(vals, eps):
             continue  # zero variance: leave zeros
+        centred = vals - vals.mean()
         out[idx] = centred / (vals.std() + eps) if std_norm else centred
     return torch.as_tensor(out, dtype=torch.float32)
 
@@ -74,6 +89,19 @@ def group_advantages(rewards: np.ndarray | torch.Tensor | Sequence[float], group
 def grpo(trajs: Sequence[Trajectory], cfg: TrainerConfig) -> torch.Tensor:
     """[N] group-normalised trajectory rewards (broadcast over the tokens by the batcher)."""
     return group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], std_norm=cfg.adv_std_norm)
+
+
+def dr_grpo(trajs: Sequence[Trajectory], cfg: TrainerConfig) -> torch.Tensor:
+    """[N] group-centred trajectory rewards, never scaled by the group std."""
+    return group_advantages([t.reward for t in trajs], [t.group_id for t in trajs], std_norm=False)
+
+
+def rloo(trajs: Sequence[Trajectory], cfg: TrainerConfig) -> torch.Tensor:
+    """[N] reward minus the mean reward of the other samples of the group (0 for a group of one)."""
+    ids = [t.group_id for t in trajs]
+    sizes = Counter(ids)
+    scale = torch.tensor([sizes[g] / (sizes[g] - 1) if sizes[g] > 1 else 0.0 for g in ids], dtype=torch.float32)
+    return dr_grpo(trajs, cfg) * scale
 
 
 def turn_scores(t: Trajectory) -> tuple[list[float], list[int]]:
@@ -117,7 +145,7 @@ def grpo_turn(trajs: Sequence[Trajectory], cfg: TrainerConfig) -> torch.Tensor:
 
 
 AdvantageFn = Callable[[Sequence[Trajectory], TrainerConfig], torch.Tensor]
-ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "grpo_turn": grpo_turn}
+ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "grpo_turn": grpo_turn, "dr_grpo": dr_grpo, "rloo": rloo}
 
 
 def get_advantage(name: str) -> AdvantageFn:

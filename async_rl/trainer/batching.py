@@ -45,6 +45,9 @@ class Batch:
     behav_logprobs: torch.Tensor  # [B, L-1] float32, 0 where not trained
     versions: torch.Tensor  # [B, L-1] int64, -1 where not trained
     advantages: torch.Tensor  # [B, L-1] float32, 0 where not trained
+    # [B, L-1] float32: each trained token's weight in its minibatch's loss (trainer.loss_agg); collate
+    # gives a token mean over this batch alone, the trainer replaces it with the minibatch's
+    loss_weights: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +60,7 @@ class Batch:
         return cls(input_ids=torch.zeros(rows, length, **long), attention_mask=torch.zeros(rows, length, **long),
                    loss_mask=torch.zeros(rows, length - 1, **flt), behav_logprobs=torch.zeros(rows, length - 1, **flt),
                    versions=torch.zeros(rows, length - 1, **long), advantages=torch.zeros(rows, length - 1, **flt),
-                   batch_size=[rows], device=device)
+                   loss_weights=torch.zeros(rows, length - 1, **flt), batch_size=[rows], device=device)
 
 
 def seq_len(traj: Trajectory) -> int:
@@ -89,7 +92,8 @@ def collate(trajs: list[Trajectory], advantages: torch.Tensor, index: list[int])
         versions[b, cols] = torch.where(m, torch.from_numpy(t.versions.astype(np.int64)), -1)
     adv = broadcast_to_tokens(advantages[index].to(torch.float32), loss_mask)
     return Batch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, behav_logprobs=behav,
-                 versions=versions, advantages=adv, batch_size=[B])
+                 versions=versions, advantages=adv, loss_weights=loss_mask / loss_mask.sum().clamp(min=1),
+                 batch_size=[B])
 
 
 def micro_batches(trajs: list[Trajectory], token_budget: int, overhead_tokens: int = 0) -> list[list[int]]:

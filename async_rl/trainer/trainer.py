@@ -8,8 +8,9 @@
 A step (1) drops trajectories whose oldest sampled token is more than `max_staleness`
 versions older than `policy_version`, (2) computes group-relative advantages, (3)
 recomputes proximal log-probs with the current weights, (4) takes `cfg.minibatches`
-AdamW steps on the decoupled PPO loss, each accumulating gradients over micro-batches
-of at most `cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
+AdamW steps on the policy loss (`cfg.loss`, its token terms added up as `cfg.loss_agg` says
+over the minibatch), each accumulating gradients over micro-batches of at most
+`cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
 A trajectory sampled (in part) by weights NEWER than `policy_version` comes from a future a
 resume threw away (the trainer went back to a checkpoint): it is dropped too, and counted
 (`train/dropped_future`). A batch whose every trajectory is dropped is not a train step: nothing is updated, the
@@ -21,6 +22,7 @@ cannot make the trainer spin through versions without training.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -34,7 +36,8 @@ import torch
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
-from async_rl.trainer.loss import get_loss
+from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
+from async_rl.trainer.stats import StatsAccumulator
 from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_dtype
 from async_rl.utils.weights import WeightSource
@@ -44,8 +47,10 @@ logger = logging.getLogger(__name__)
 # reported when a step has nothing to train on, so every step logs the same keys
 _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 1.0,
               "train/approx_kl": 0.0, "train/behav_weight_mean": 1.0, "train/behav_weight_max": 1.0,
-              "train/behav_capped_frac": 0.0, "train/staleness_max": 0.0, "train/staleness_mean": 0.0,
-              "train/num_tokens": 0.0, "train/optimizer_steps": 0.0, "train/skipped_nonfinite": 0.0}
+              "train/behav_capped_frac": 0.0, "train/behav_masked_frac": 0.0, "train/staleness_max": 0.0,
+              "train/staleness_mean": 0.0, "train/num_tokens": 0.0, "train/optimizer_steps": 0.0,
+              "train/skipped_nonfinite": 0.0, "train/logprob_mismatch_mean": 0.0, "train/logprob_mismatch_max": 0.0,
+              "train/logprob_mismatch_kl": 0.0, "train/logprob_mismatch_frac": 0.0}
 
 
 def split_by_age(trajs: list[Trajectory], policy_version: int,
@@ -78,8 +83,11 @@ class PPOTrainer:
         self.policy_version = policy_version
         self.loss_fn = get_loss(loss or cfg.loss)
         self.advantage_fn = get_advantage(cfg.advantage)
+        self.loss_agg = get_loss_agg(cfg.loss_agg)
         self.device = next(model.parameters()).device
         self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.device).dtype  # autocast dtype
+        # pi_ref of trainer.kl_coef: the weights this trainer starts from (a resume loads into `model` only)
+        self.ref_model = self._frozen_copy(model) if cfg.kl_coef > 0 else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
@@ -184,7 +192,8 @@ class PPOTrainer:
     def _optimize(self, shares: list["Share"]) -> dict[str, float]:
         """One optimizer step per minibatch over this process's share of it (every rank runs this)."""
         prox = self._prox_logprobs(shares) if len(shares) > 1 else None
-        acc = _StatsAccumulator()
+        ref = self._ref_logprobs(shares) if self.ref_model is not None else None
+        acc = StatsAccumulator()
         steps = skipped = 0
         self.model.train()
         try:
@@ -193,7 +202,8 @@ class PPOTrainer:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, batch in enumerate(share.micros):
-                    self._accumulate(batch, prox[m][k] if prox is not None else None, share.total, acc)
+                    self._accumulate(batch, prox[m][k] if prox is not None else None,
+                                     ref[m][k] if ref is not None else None, acc)
                 norm = self._clip_grads()
                 acc.add_grad_norm(norm)
                 if math.isfinite(norm):
@@ -210,15 +220,27 @@ class PPOTrainer:
         stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
         return stats
 
-    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, total: int, acc: "_StatsAccumulator") -> None:
-        """Forward + backward of one micro-batch, weighted so the minibatch loss is a token mean."""
+    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, ref: torch.Tensor | None,
+                    acc: StatsAccumulator) -> None:
+        """Forward + backward of one micro-batch; its loss is its part of the minibatch's (batch.loss_weights)."""
         logprobs = self._logprobs(batch)  # [B, L-1]
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
         prox_lp = logprobs.detach() if prox is None else prox
         loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
-                               eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap)
-        (loss * (batch.num_tokens / total)).backward()
-        acc.add({"loss": float(loss.detach()), **s}, batch.num_tokens)
+                               eps_clip=self.cfg.eps_clip, behav_weight_cap=self.cfg.behav_weight_cap,
+                               loss_weights=batch.loss_weights)
+        if ref is not None:
+            kl, kl_stats = kl_penalty(logprobs, ref, batch.loss_mask, batch.loss_weights)
+            loss = loss + self.cfg.kl_coef * kl
+            s.update(kl_stats)
+        loss.backward()
+        acc.add(s, batch.num_tokens)
+        acc.add_total("loss", float(loss.detach()))
+        # tokens the current weights sampled: prox_lp is the trainer's view of those very weights
+        mismatch, measured = logprob_mismatch(prox_lp, batch.behav_logprobs, batch.versions, batch.loss_mask,
+                                              self.policy_version)
+        acc.add(mismatch, measured)
+        acc.add({"logprob_mismatch_frac": measured / max(1, batch.num_tokens)}, batch.num_tokens)
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, L-1] log-probs of the batch's trained tokens under the current weights."""
@@ -233,7 +255,7 @@ class PPOTrainer:
         return [Share(total=sum(b.num_tokens for b in micros), micros=[b for b in micros if b.num_tokens])
                 for micros in minibatches]
 
-    def _stats_result(self, acc: "_StatsAccumulator") -> dict[str, float]:
+    def _stats_result(self, acc: StatsAccumulator) -> dict[str, float]:
         return acc.result()
 
     def _autocast(self):
@@ -253,9 +275,13 @@ class PPOTrainer:
         out = []
         for chunk in np.array_split(order, n):
             sub = [trajs[i] for i in chunk]
-            out.append([collate(trajs, adv, [int(chunk[j]) for j in idx]).to(self.device)
-                        for idx in micro_batches(sub, self.cfg.micro_batch_tokens,
-                                                            self.cfg.micro_batch_overhead_tokens)])
+            micros = [collate(trajs, adv, [int(chunk[j]) for j in idx])
+                      for idx in micro_batches(sub, self.cfg.micro_batch_tokens, self.cfg.micro_batch_overhead_tokens)]
+            tokens = sum(b.num_tokens for b in micros)
+            seqs = sum(int((b.loss_mask.sum(dim=1) > 0).sum()) for b in micros)  # sequences with a trained token
+            for b in micros:  # each token's weight in this minibatch's loss (trainer.loss_agg)
+                b.loss_weights = self.loss_agg(b.loss_mask, tokens=tokens, seqs=seqs, norm_tokens=self.cfg.loss_agg_tokens)
+            out.append([b.to(self.device) for b in micros])
         return out
 
     def _staleness(self, minibatches: list[list[Batch]]) -> dict[str, float]:
@@ -272,11 +298,26 @@ class PPOTrainer:
         """Log-probs of every micro-batch under the weights at the start of the step."""
         return [[self._logprobs(b) for b in share.micros] for share in shares]
 
+    @torch.no_grad()
+    def _ref_logprobs(self, shares: list["Share"]) -> list[list[torch.Tensor]]:
+        """Log-probs of every micro-batch under the reference weights (trainer.kl_coef)."""
+        with self._autocast():
+            return [[token_logprobs(self.ref_model, b.input_ids, b.attention_mask, self.temperature,
+                                    score_mask=score_mask(b)) for b in share.micros] for share in shares]
+
+    def _frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A copy of `model` that never trains, in the compute dtype: one more model in memory (half
+        of an fp32 copy under bf16 autocast), which is why trainer.kl_coef is off by default."""
+        ref = copy.deepcopy(model).to(self.compute_dtype).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
 
 @dataclass(slots=True)
 class Share:
-    """A process's part of one minibatch: its micro-batches, and the minibatch's trained-token count
-    (each micro-batch's loss is weighted by its tokens over `total`, so the parts sum to the whole)."""
+    """A process's part of one minibatch: its micro-batches (each token weighted by its part of the
+    minibatch's loss, `Batch.loss_weights`), and the minibatch's trained-token count (0: no step)."""
 
     total: int
     micros: list[Batch]
@@ -290,30 +331,3 @@ def score_mask(batch: Batch) -> torch.Tensor:
     mask = torch.zeros_like(batch.loss_mask)
     mask[0, 0] = 1.0
     return mask
-
-
-class _StatsAccumulator:
-    """Token-weighted means of per-micro-batch stats (maxima for `*_max` keys), prefixed `train/`."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-        self.tokens = 0
-        self.norms: list[float] = []
-
-    def add(self, stats: dict[str, float], num_tokens: int) -> None:
-        self.tokens += num_tokens
-        for key, value in stats.items():
-            if key.endswith("_max"):
-                self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * num_tokens
-
-    def add_grad_norm(self, norm: float) -> None:
-        self.norms.append(norm)
-
-    def result(self) -> dict[str, float]:
-        out = {f"train/{k}": v / max(1, self.tokens) for k, v in self.sums.items()}
-        out.update({f"train/{k}": v for k, v in self.maxes.items()})
-        out["train/grad_norm"] = float(np.mean(self.norms)) if self.norms else 0.0
-        return out

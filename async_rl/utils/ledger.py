@@ -8,9 +8,11 @@ in its run directory (line-buffered, so a process killed mid-run keeps what it w
                           prompts are generated again), untrained_at_end (produced after the
                           trainer's last step, reported), abandoned_groups (admitted, unfinished
                           when the run ended: a count and their prompts)
-    ledger_trainer.jsonl  session (a producer joined), trained / dropped_stale / dropped_future
-                          (step k: ids and their prompts), committed (a checkpoint at step k made
-                          everything before it durable), resumed (from_step k: a restarted trainer
+    ledger_trainer.jsonl  session (a producer joined), trained / dropped_stale / dropped_future /
+                          filtered (step k: ids and their prompts; filtered = a group without
+                          reward variance set aside while step k's batch was filled, dynamic
+                          sampling), committed (a checkpoint at step k made everything before it
+                          durable), resumed (from_step k: a restarted trainer
                           went back to the checkpoint of step k; every later event is undone)
 
 `audit(dirs)` reads every ledger under the given run directories and judges the FINAL
@@ -18,7 +20,8 @@ history: the trainer's events replayed in order, each `resumed` marker cutting o
 events of the steps it went back over. In that history every produced id must be
 
 - trained exactly once, or dropped (over-stale, or sampled by weights newer than the
-  trainer's), or discarded by its side, or reported untrained at the end, or
+  trainer's), or filtered (dynamic sampling), or discarded by its side, or reported
+  untrained at the end, or
 - replaced: never delivered, and its prompt consumed through another group (a side that
   died with what it admitted; the next side generated the prompt again);
 
@@ -41,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 LEDGERS = ("ledger_rollout.jsonl", "ledger_trainer.jsonl")
-CONSUMED = ("trained", "dropped_stale", "dropped_future")  # trainer events that use up an id (and its prompt)
+# trainer events that use up an id (and its prompt)
+CONSUMED = ("trained", "dropped_stale", "dropped_future", "filtered")
 
 
 class Ledger:
@@ -116,6 +120,7 @@ class AuditResult:
     trained: int = 0
     dropped_stale: int = 0
     dropped_future: int = 0
+    filtered: int = 0
     discarded: int = 0
     replaced: int = 0
     rolled_back: int = 0
@@ -135,8 +140,8 @@ class AuditResult:
 
     def lines(self) -> list[str]:
         out = [f"produced={self.produced} trained={self.trained} dropped_stale={self.dropped_stale} "
-               f"dropped_future={self.dropped_future} discarded={self.discarded} replaced={self.replaced} "
-               f"rolled_back={self.rolled_back} untrained_at_end={self.untrained_at_end} "
+               f"dropped_future={self.dropped_future} filtered={self.filtered} discarded={self.discarded} "
+               f"replaced={self.replaced} rolled_back={self.rolled_back} untrained_at_end={self.untrained_at_end} "
                f"abandoned_groups={self.abandoned_groups}",
                f"lost={len(self.lost_ids)} duplicated={len(self.duplicated_ids)} "
                f"lost_prompts={len(self.lost_prompts)} duplicated_prompts={len(self.duplicated_prompts)} "
@@ -167,7 +172,7 @@ def audit(run_dirs: Iterable[str | Path]) -> AuditResult:
     history, undone = final_history(trainer)
     by_kind = {k: [i for e in history if e["event"] == k for i in e["ids"]] for k in CONSUMED}
     trained = Counter(by_kind["trained"])
-    consumed = set(trained) | set(by_kind["dropped_stale"]) | set(by_kind["dropped_future"])
+    consumed = set(trained) | {i for k in CONSUMED if k != "trained" for i in by_kind[k]}
     produced_events = [e for e in rollout if e["event"] == "produced"]
     produced = {i for e in produced_events for i in e["ids"]}
     prompt_of = {i: e.get("prompt") for e in produced_events for i in e["ids"]}
@@ -191,7 +196,7 @@ def audit(run_dirs: Iterable[str | Path]) -> AuditResult:
     heard = {e["producer"] for e in trainer if e["event"] == "session" and "producer" in e}
     return AuditResult(
         produced=len(produced), trained=len(trained), dropped_stale=len(set(by_kind["dropped_stale"])),
-        dropped_future=len(set(by_kind["dropped_future"])),
+        dropped_future=len(set(by_kind["dropped_future"])), filtered=len(set(by_kind["filtered"])),
         discarded=len({i for e in rollout if e["event"] == "discarded" for i in e["ids"]}),
         replaced=len(replaced), rolled_back=len(set(undone)),
         untrained_at_end=len({i for e in rollout if e["event"] == "untrained_at_end" for i in e["ids"]}),

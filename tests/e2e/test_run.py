@@ -67,6 +67,27 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
     assert "time to accuracy" not in res.stdout
 
 
+def test_dynamic_sampling_refills_and_the_audit_counts_what_it_filtered(tmp_path):
+    """The tiny model starts near reward 0.15, so many groups of 8 are all wrong: they are set aside,
+    released from the staleness count and replaced, every batch still trains B trajectories, and the
+    audit accounts for every filtered id."""
+    steps = 4
+    res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", "trainer.dynamic_sampling=true",
+              "log.progress=false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(tmp_path)
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["train/num_trajectories"] == 64 for r in rows)
+    filtered = sum(r["train/filtered_groups"] for r in rows)
+    assert filtered > 0
+    audited = cli("audit", str(tmp_path), timeout=60)
+    assert audited.returncode == 0 and "lost=0 duplicated=0" in audited.stdout, audited.stdout + audited.stderr
+    assert f"filtered={int(filtered) * 8} " in audited.stdout
+    released = [json.loads(line).get("rollout/released", 0) for line in
+                (tmp_path / "rollout_metrics.jsonl").read_text().splitlines()]
+    assert max(released) > 0  # the rollout side's gate was told, so it admitted replacements
+
+
 def test_train_and_rollout_started_separately(tmp_path):
     addr = f"tcp://127.0.0.1:{free_port()}"
     common = ["--config", DEBUG, f"transport.addr={addr}", "total_steps=3", "weight_sync.transport=zmq",

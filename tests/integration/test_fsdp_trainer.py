@@ -132,6 +132,8 @@ def _run_fsdp(cfgs: dict[str, Config], out: Path) -> None:
 CASES = {
     "one-micro-batch": {"micro_batch_tokens": 4096, "minibatches": 1},  # each rank runs half the rows
     "micro-batches+minibatches": {"micro_batch_tokens": 40, "minibatches": 2},  # prox recompute, one-row shares
+    # per-sequence weights computed over the minibatch before the rows are split between the ranks
+    "seq-mean": {"micro_batch_tokens": 40, "minibatches": 2, "loss_agg": "seq_mean_token_mean"},
 }
 
 

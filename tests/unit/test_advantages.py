@@ -198,3 +198,27 @@ def test_a_trainer_step_with_grpo_turn_updates_the_model_toward_the_better_turn(
     # equal outcome rewards: only the turn score says the first turn `good` was better than `bad`
     stats = trainer.train_step([[traj(good, 1.0, 1.0), traj(bad, 1.0, 0.0)]])
     assert stats["train/num_tokens"] == 4.0 and p_good() > before
+
+
+# Group "a" has rewards 1, 0, 0, 1 (mean 0.5, std 0.5), group "b" 0, 3, 0 (mean 1, std sqrt(2)),
+# group "c" a single sample, group "d" 2, 2 (no variance).
+HAND = [("a", 1.0), ("a", 0.0), ("a", 0.0), ("a", 1.0), ("b", 0.0), ("b", 3.0), ("b", 0.0), ("c", 5.0),
+        ("d", 2.0), ("d", 2.0)]
+
+
+def test_dr_grpo_centres_without_the_std_even_when_asked_for_it():
+    trajs = [_traj(g, r, [1]) for g, r in HAND]
+    # a: 1 - 0.5 = 0.5, -0.5, -0.5, 0.5;  b: -1, 3 - 1 = 2, -1;  c and d: no signal -> 0
+    expected = [0.5, -0.5, -0.5, 0.5, -1.0, 2.0, -1.0, 0.0, 0.0, 0.0]
+    adv = get_advantage("dr_grpo")(trajs, TrainerConfig(adv_std_norm=True))
+    assert adv.tolist() == pytest.approx(expected)
+    # grpo divides the same values by the std: a by 0.5, b by sqrt(2)
+    assert grpo(trajs, TrainerConfig()).tolist()[:6] == pytest.approx([1, -1, -1, 1, -1 / 2**0.5, 2 / 2**0.5], rel=1e-5)
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples():
+    trajs = [_traj(g, r, [1]) for g, r in HAND]
+    # a: 1 - (0 + 0 + 1) / 3 = 2/3, 0 - (1 + 0 + 1) / 3 = -2/3, -2/3, 2/3
+    # b: 0 - (3 + 0) / 2 = -1.5, 3 - 0 = 3, -1.5;  c: nobody else -> 0;  d: 2 - 2 = 0
+    expected = [2 / 3, -2 / 3, -2 / 3, 2 / 3, -1.5, 3.0, -1.5, 0.0, 0.0, 0.0]
+    assert get_advantage("rloo")(trajs, TrainerConfig()).tolist() == pytest.approx(expected, rel=1e-6)

@@ -131,3 +131,18 @@ def test_a_line_cut_by_a_kill_is_skipped_and_no_ledger_is_a_clear_error(tmp_path
     assert audit([tmp_path]).ok
     with pytest.raises(ValueError, match="no ledger"):
         audit([tmp_path / "nowhere"])
+
+
+def test_filtered_groups_are_accounted_and_use_up_their_prompt(tmp_path):
+    # prompt 0 had no reward variance: filtered while step 0's batch was filled; prompt 1 was trained
+    filtered = ("filtered", ["a", "b"], {"prompts": [0, 0], "step": 0})
+    _write(tmp_path, [*SIDE, _produced(["a", "b"], 0), _produced(["c", "d"], 1)],
+           [*SESSION, filtered, _trained(["c", "d"], 1, 0)])
+    result = audit([tmp_path])
+    assert result.ok, result.lines()
+    assert result.filtered == 2 and result.trained == 2
+    assert "filtered=2" in result.lines()[0]
+    assert committed_state(tmp_path / "ledger_trainer.jsonl", 1) == (["a", "b", "c", "d"], [0, 1])
+    # a resume back to step 0 undoes the filtering too: unless the group comes back, it is lost
+    _write(tmp_path, None, [("resumed", [], {"from_step": 0})])
+    assert audit([tmp_path]).lost_ids == ["a", "b", "c", "d"]

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss
+from async_rl.trainer.loss import LOSSES, decoupled_ppo_loss, get_loss, get_loss_agg, kl_penalty, logprob_mismatch
 
 EPS, CAP = 0.2, 5.0
 
@@ -165,3 +165,117 @@ def test_no_behav_correction_ignores_the_behaviour_policy():
     assert torch.allclose(off, same) and not torch.allclose(off, corrected)
     with pytest.raises(ValueError, match="trainer.loss"):
         get_loss("nope")
+
+
+# ------------------------------------------------------------------ behaviour-weight rules
+# Four tokens, r = 1 (theta == prox, inside the clip range, so each term is -w * A), cap c = 5,
+# rho = pi_prox / pi_behav = 10, 2, 0.1, 1 and A = 1, -1, 2, 0.5; token mean over 4 tokens:
+#   decoupled_ppo (TIS, w = min(rho, 5)) w = 5, 2, 0.1, 1   -> -(5 - 2 + 0.2 + 0.5) / 4 = -0.925
+#   masked_is     (w = rho if rho <= 5)  w = 0, 2, 0.1, 1   -> -(0 - 2 + 0.2 + 0.5) / 4 = +0.325
+#   icepop        (w = rho in [0.2, 5])  w = 0, 2, 0,   1   -> -(0 - 2 + 0   + 0.5) / 4 = +0.375
+#   no_behav_correction (w = 1)                             -> -(1 - 1 + 2   + 0.5) / 4 = -0.625
+RULE_CASES = {"decoupled_ppo": (-0.925, [5.0, 2.0, 0.1, 1.0], 0.0),
+              "masked_is": (0.325, [0.0, 2.0, 0.1, 1.0], 0.25),
+              "icepop": (0.375, [0.0, 2.0, 0.0, 1.0], 0.5),
+              "no_behav_correction": (-0.625, [1.0, 1.0, 1.0, 1.0], 0.0)}
+
+
+@pytest.mark.parametrize("name", list(RULE_CASES))
+def test_behaviour_weight_rules_match_hand_computation(name):
+    expected, weights, masked = RULE_CASES[name]
+    behav = torch.tensor([[-2.0, -2.0, -2.0, -2.0]], dtype=torch.float64)
+    prox = behav + torch.log(torch.tensor([[10.0, 2.0, 0.1, 1.0]], dtype=torch.float64))
+    lp = prox.clone().requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 2.0, 0.5]], dtype=torch.float64)
+    loss, stats = get_loss(name)(lp, prox, behav, adv, torch.ones(1, 4), eps_clip=EPS, behav_weight_cap=CAP)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-9)
+    loss.backward()
+    # d loss / d logprob_t = -w_t * A_t * r_t / 4: a dropped token gets no gradient at all
+    assert lp.grad[0].tolist() == pytest.approx([-w * a / 4 for w, a in zip(weights, [1.0, -1.0, 2.0, 0.5])])
+    assert stats["behav_masked_frac"] == masked and stats["behav_capped_frac"] == 0.25
+    assert stats["behav_weight_max"] == pytest.approx(10.0) and stats["behav_weight_mean"] == pytest.approx(13.1 / 4)
+
+
+def test_icepop_keeps_both_ends_of_its_band():
+    c = 4.0
+    behav = torch.zeros(1, 4, dtype=torch.float64)
+    prox = torch.tensor([[math.log(c), -math.log(c), math.log(c) + 1e-9, -math.log(c) - 1e-9]], dtype=torch.float64)
+    _, stats = get_loss("icepop")(prox.clone(), prox, behav, torch.ones(1, 4), torch.ones(1, 4), eps_clip=EPS,
+                                  behav_weight_cap=c)
+    assert stats["behav_masked_frac"] == 0.5  # rho = c and 1/c kept, just beyond either end dropped
+    with pytest.raises(ValueError, match="behav_weight_cap"):
+        get_loss("icepop")(prox, prox, behav, torch.ones(1, 4), torch.ones(1, 4), eps_clip=EPS, behav_weight_cap=0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_masking_rules_equal_truncation_while_no_weight_leaves_the_band(seed):
+    g = np.random.default_rng(seed)
+    lp, prox = (torch.tensor(g.normal(-2.0, 1.0, (2, 6))) for _ in range(2))
+    behav = prox - torch.tensor(g.uniform(-math.log(CAP) + 1e-6, math.log(CAP) - 1e-6, (2, 6)))  # rho in (1/c, c)
+    adv, mask = torch.tensor(g.normal(0.0, 1.0, (2, 6))), torch.tensor(g.integers(0, 2, (2, 6)))
+    kw = {"eps_clip": EPS, "behav_weight_cap": CAP}
+    tis, _ = get_loss("decoupled_ppo")(lp, prox, behav, adv, mask, **kw)
+    for name in ("masked_is", "icepop"):
+        other, stats = get_loss(name)(lp, prox, behav, adv, mask, **kw)
+        assert float(other) == pytest.approx(float(tis), rel=1e-12, abs=1e-12) and stats["behav_masked_frac"] == 0.0
+
+
+# ------------------------------------------------------------------ aggregation
+# A minibatch of two sequences, in two micro-batches: sequence 1 trains 3 tokens with A = 1, sequence
+# 2 one token with A = -2; r = 1 and w = 1, so each token's term is -A:
+#   token_mean               -(1 + 1 + 1 - 2) / 4 tokens                  = -0.25
+#   seq_mean_token_mean      -((1 + 1 + 1) / 3 + (-2) / 1) / 2 sequences  = +0.5
+#   seq_mean_token_sum_norm  -((1 + 1 + 1) + (-2)) / (L = 4 * 2 sequences) = -0.125
+@pytest.mark.parametrize("name,expected", [("token_mean", -0.25), ("seq_mean_token_mean", 0.5),
+                                           ("seq_mean_token_sum_norm", -0.125)])
+def test_aggregations_match_hand_computation_across_micro_batches(name, expected):
+    agg = get_loss_agg(name)
+    micro = [(_t([1, 1, 1]), _t([1.0, 1.0, 1.0])), (_t([1, 0, 0]), _t([-2.0, 0.0, 0.0]))]
+    total = 0.0
+    for mask, adv in micro:
+        weights = agg(mask, tokens=4, seqs=2, norm_tokens=4)
+        lp = torch.full_like(mask, -1.0)
+        loss, _ = decoupled_ppo_loss(lp, lp, lp, adv, mask, eps_clip=EPS, behav_weight_cap=CAP, loss_weights=weights)
+        total += float(loss)
+    assert total == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="trainer.loss_agg"):
+        get_loss_agg("nope")
+
+
+def test_dr_grpo_aggregation_needs_its_constant():
+    with pytest.raises(ValueError, match="trainer.loss_agg_tokens"):
+        get_loss_agg("seq_mean_token_sum_norm")(_t([1, 1]), tokens=2, seqs=1, norm_tokens=0)
+
+
+# ------------------------------------------------------------------ engine/trainer mismatch
+def test_logprob_mismatch_over_the_tokens_of_the_trainers_version():
+    prox = _t([-1.0, -2.0, -0.5, -3.0, -1.0])
+    # the engine said: 0.1 higher, 0.3 lower, 0.2 higher; a version-2 token 5 off (staleness, not
+    # mismatch) and an untrained token 9 off are left out
+    behav = _t([-0.9, -2.3, -0.3, 2.0, 8.0])
+    versions = torch.tensor([[3, 3, 3, 2, 3]])
+    stats, n = logprob_mismatch(prox, behav, versions, _t([1, 1, 1, 1, 0]), version=3)
+    d = [-0.1, 0.3, -0.2]  # prox - behav of the three measured tokens
+    assert n == 3
+    assert stats["logprob_mismatch_mean"] == pytest.approx(0.2, rel=1e-5)
+    assert stats["logprob_mismatch_max"] == pytest.approx(0.3, rel=1e-5)
+    assert stats["logprob_mismatch_kl"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d) / 3, rel=1e-4)
+    stats, n = logprob_mismatch(prox, behav, versions, _t([1, 1, 1, 1, 0]), version=4)
+    assert n == 0 and stats["logprob_mismatch_max"] == 0.0
+
+
+# ------------------------------------------------------------------ KL to a reference policy
+def test_kl_penalty_matches_hand_computation():
+    lp = torch.tensor([[-1.0, -2.0, -4.0]], requires_grad=True)
+    ref = _t([-1.5, -1.0, 9.0])
+    loss, stats = kl_penalty(lp, ref, _t([1, 1, 0]))
+    # d = ref - theta = -0.5, 1.0 (the third token is not trained); k3 = e^d - d - 1
+    k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 2]  # 0.1065, 0.7183
+    assert float(loss.detach()) == pytest.approx(sum(k3) / 2, rel=1e-6)
+    assert stats["ref_kl"] == pytest.approx(sum(k3) / 2, rel=1e-6)
+    loss.backward()
+    # d k3 / d theta = 1 - e^d: a token theta rates above the reference is pushed down, one below pushed up
+    assert lp.grad[0].tolist() == pytest.approx([(1 - math.exp(-0.5)) / 2, (1 - math.exp(1.0)) / 2, 0.0], rel=1e-6)
+    weighted, _ = kl_penalty(lp.detach(), ref, _t([1, 1, 0]), loss_weights=_t([0.25, 0.5, 0.25]))
+    assert float(weighted) == pytest.approx(0.25 * k3[0] + 0.5 * k3[1], rel=1e-6)

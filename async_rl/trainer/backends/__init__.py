@@ -23,6 +23,7 @@ on load every rank reads the checkpoint itself and keeps its own shard (backends
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -79,6 +80,12 @@ class BackendSpec:
 def train_staleness(cfg: Config) -> int:
     """The staleness bound the trainer enforces: 0 in sync mode (lock step), else max_staleness."""
     return 0 if cfg.mode == "sync" else cfg.max_staleness
+
+
+def trainer_config(cfg: Config) -> TrainerConfig:
+    """`cfg.trainer` with what it takes from the rest of the config filled in: loss_agg_tokens 0 is
+    the generation budget, rollout.max_new_tokens."""
+    return dataclasses.replace(cfg.trainer, loss_agg_tokens=cfg.trainer.loss_agg_tokens or cfg.rollout.max_new_tokens)
 
 
 def _single() -> BackendSpec:

@@ -12,9 +12,9 @@ computation (`token_logprobs`), so every weight is gathered inside an FSDP forwa
 
 Data parallel: rank 0 builds the minibatches and micro-batches the single process would
 (same seed, same batch) and sends rank r rows r, r+W, r+2W, ... of each micro-batch over
-the process group (spmd.py). The loss of a micro-batch is a token mean weighted by its
-share of the minibatch's tokens, so a token sum over the minibatch divided by its token
-count; FSDP sums the ranks' gradients (divide factor 1), which gives exactly the
+the process group (spmd.py). Each token's term carries its weight in the minibatch's loss
+(`Batch.loss_weights`, computed before the rows are split), so a rank's loss is its rows'
+part of that sum; FSDP sums the ranks' gradients (divide factor 1), which gives exactly the
 single-process gradient. Every rank runs every micro-batch's forward and backward, an
 empty share as a zero-weight pass over one token, so the collectives stay in lock step.
 
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from async_rl.config import Config, TrainerConfig
 from async_rl.models import load_model, load_tokenizer
-from async_rl.trainer.backends import RankInfo, train_staleness
+from async_rl.trainer.backends import RankInfo, train_staleness, trainer_config
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict, gathered_weights
 from async_rl.trainer.backends.scatter import load_sharded
 from async_rl.trainer.backends.spmd import SPMDTrainer, check_ranks, join_group
@@ -114,6 +114,9 @@ class FSDPTrainer(SPMDTrainer):
 
 # ---------------------------------------------------------------------- devices and build
 def check(cfg: Config) -> None:
+    if cfg.trainer.kl_coef > 0:
+        raise ValueError(f"trainer.kl_coef: the fsdp backend keeps no reference model yet (got "
+                         f"{cfg.trainer.kl_coef}); use trainer.backend=single, or trainer.kl_coef=0")
     check_ranks(cfg.trainer)
 
 
@@ -135,7 +138,8 @@ def build(cfg: Config, rank: RankInfo) -> FSDPTrainer:
             module.set_force_sum_reduction_for_comms(True)
     logger.info("fsdp rank %d/%d on %s: %d FSDP units", rank.rank, rank.world_size, device,
                 sum(isinstance(m, FSDPModule) for m in root.modules()))
-    trainer = FSDPTrainer(root, cfg.trainer, store=rank.store, max_staleness=train_staleness(cfg), seed=cfg.seed)
+    trainer = FSDPTrainer(root, trainer_config(cfg), store=rank.store, max_staleness=train_staleness(cfg),
+                          seed=cfg.seed)
     if rank.rank == 0:  # the rank that writes checkpoints also makes them Hugging Face model directories
         trainer.hf_export = hf_exporter(lm.config, load_tokenizer(cfg.model))
     return trainer

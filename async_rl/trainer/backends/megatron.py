@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from async_rl.config import Config, TrainerConfig
 from async_rl.models import load_model, load_tokenizer, model_config, model_dir
-from async_rl.trainer.backends import RankInfo, train_staleness
+from async_rl.trainer.backends import RankInfo, train_staleness, trainer_config
 from async_rl.trainer.backends.megatron_cpu import install_cpu_shims, require_megatron
 from async_rl.trainer.backends.megatron_layout import LlamaShape, Param, hf_specs, params, to_hf, to_shard
 from async_rl.trainer.backends.megatron_model import MegatronPolicy, build_gpt
@@ -288,6 +288,9 @@ def check(cfg: Config) -> None:
     require_megatron()
     device = check_ranks(cfg.trainer)
     t = cfg.trainer
+    if t.kl_coef > 0:
+        raise ValueError(f"trainer.kl_coef: the megatron backend keeps no reference model yet (got {t.kl_coef}); "
+                         "use trainer.backend=single, or trainer.kl_coef=0")
     if device.type == "cpu" and t.compute_dtype == "bfloat16":
         raise ValueError("trainer.compute_dtype: bfloat16 on CPU fails in megatron-core's backward; the megatron "
                          "backend trains in float32 on CPU (auto picks it)")
@@ -327,7 +330,7 @@ def build(cfg: Config, rank: RankInfo) -> MegatronTrainer:
         load_shards(layout, named, get, ps.get_tensor_model_parallel_rank(), tp, shape)
     hf_config, hf = hf.config, None  # the HF weights go now: only this rank's shards stay
     policy = MegatronPolicy(gpt, cfg.rollout.temperature, packed=cfg.trainer.pack_sequences)
-    trainer = MegatronTrainer(policy, cfg.trainer, shape, layout, temperature=cfg.rollout.temperature,
+    trainer = MegatronTrainer(policy, trainer_config(cfg), shape, layout, temperature=cfg.rollout.temperature,
                               max_staleness=train_staleness(cfg), seed=cfg.seed)
     logger.info("megatron rank %d/%d on %s: TP rank %d/%d, DP rank %d/%d, %s spec", rank.rank, rank.world_size,
                 device, trainer.tp_rank, tp, trainer.dp_rank, trainer.dp_size, "te" if te else "local")

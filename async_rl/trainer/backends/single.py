@@ -7,7 +7,7 @@ from typing import Any
 
 from async_rl.config import Config
 from async_rl.models import load_model, load_tokenizer
-from async_rl.trainer.backends import RankInfo, train_staleness
+from async_rl.trainer.backends import RankInfo, train_staleness, trainer_config
 from async_rl.trainer.checkpoint import hf_exporter, load_checkpoint, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.utils.hardware import resolve_device
@@ -43,7 +43,7 @@ def build(cfg: Config, rank: RankInfo) -> SingleTrainer:
     device = resolve_device(cfg.trainer.device, "trainer.device")
     # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
     model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
-    trainer = SingleTrainer(model, cfg.trainer, temperature=cfg.rollout.temperature,
+    trainer = SingleTrainer(model, trainer_config(cfg), temperature=cfg.rollout.temperature,
                             max_staleness=train_staleness(cfg), seed=cfg.seed)
     trainer.hf_export = hf_exporter(model.config, load_tokenizer(cfg.model))
     return trainer

@@ -32,7 +32,8 @@ from tensordict import TensorDict
 from async_rl.config import Config, TrainerConfig
 from async_rl.trainer.backends import RankInfo
 from async_rl.trainer.batching import Batch
-from async_rl.trainer.trainer import PPOTrainer, Share, _StatsAccumulator
+from async_rl.trainer.stats import StatsAccumulator
+from async_rl.trainer.trainer import PPOTrainer, Share
 from async_rl.utils.hardware import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def row_share(micros: list[Batch], dp_rank: int, dp_size: int) -> list[Batch]:
         else:
             idle = b[:1].clone()
             idle.loss_mask = torch.zeros_like(idle.loss_mask)
+            idle.loss_weights = torch.zeros_like(idle.loss_weights)
             out.append(idle)
     return out
 
@@ -191,16 +193,19 @@ class SPMDTrainer(PPOTrainer):
         # still waiting for it when the interpreter exits aborts the process (exit code -6). Let it.
         time.sleep(_GLOO_DRAIN_S)
 
-    def _stats_result(self, acc: _StatsAccumulator) -> dict[str, float]:
-        """Token-weighted sums and maxima of the data-parallel ranks combined; all ran the same stat keys."""
-        sums_keys, max_keys = sorted(acc.sums), sorted(acc.maxes)
-        sums = torch.tensor([acc.sums[k] for k in sums_keys] + [float(acc.tokens)], dtype=torch.float64,
-                            device=self.device)
+    def _stats_result(self, acc: StatsAccumulator) -> dict[str, float]:
+        """Weighted sums, their weights, totals and maxima of the data-parallel ranks combined; all ran the
+        same stat keys (the gradient norms are already global)."""
+        keys, total_keys, max_keys = sorted(acc.sums), sorted(acc.totals), sorted(acc.maxes)
+        sums = torch.tensor([acc.sums[k] for k in keys] + [acc.weights[k] for k in keys]
+                            + [acc.totals[k] for k in total_keys] + [0.0], dtype=torch.float64, device=self.device)
         maxes = torch.tensor([acc.maxes[k] for k in max_keys] or [0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.stats_group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.stats_group)
-        acc.sums = dict(zip(sums_keys, sums[:-1].tolist()))
-        acc.tokens = int(sums[-1].item())
+        flat = sums.tolist()
+        acc.sums = dict(zip(keys, flat[:len(keys)]))
+        acc.weights = dict(zip(keys, flat[len(keys):2 * len(keys)]))
+        acc.totals = dict(zip(total_keys, flat[2 * len(keys):2 * len(keys) + len(total_keys)]))
         acc.maxes = dict(zip(max_keys, maxes.tolist()))
         return acc.result()
 
