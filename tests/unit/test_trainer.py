@@ -253,11 +253,15 @@ def test_kl_reference_is_the_initial_weights_frozen_and_off_by_default(tok, tmp_
     assert not torch.equal(resumed.model.state_dict()["lm_head.weight"], initial["lm_head.weight"])
 
 
-def test_fsdp_refuses_a_kl_term_it_cannot_compute():
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_sharded_backends_refuse_a_kl_term_they_cannot_compute(backend):
+    from async_rl.config import Config
     from async_rl.trainer.backends import get_backend
 
+    pytest.importorskip("megatron.core") if backend == "megatron" else None
+    cfg = Config(trainer=TrainerConfig(backend=backend, world_size=1, kl_coef=0.1))
     with pytest.raises(ValueError, match="trainer.kl_coef"):
-        get_backend("fsdp").check(TrainerConfig(backend="fsdp", world_size=1, kl_coef=0.1))
+        get_backend(backend).check(cfg)
 
 
 def test_kl_pulls_the_policy_back_toward_the_reference(tok):
