@@ -57,9 +57,10 @@ elif case == "sample":
     st = ask.run(q="2+2=", max_tokens=6, temperature=1.0, top_p=0.9, min_p=0.05, ignore_eos=True)
     out.update(ans=st["ans"], meta=st.get_meta_info("ans"))
 elif case == "stream":
-    st = ask.run(q="1+1=", max_tokens=8, temperature=0, stream=True)
+    # 32 tokens: a loaded machine may hand a short answer over in one chunk (the engine ran ahead)
+    st = ask.run(q="1+1=", max_tokens=32, temperature=0, stream=True)
     out.update(chunks=list(st.text_iter("ans")), ans=st["ans"])
-    out.update(whole=ask.run(q="1+1=", max_tokens=8, temperature=0)["ans"])
+    out.update(whole=ask.run(q="1+1=", max_tokens=32, temperature=0)["ans"])
 elif case == "regex":
     st = ask.run(q="1+1=", max_tokens=8, regex="[0-9]+")
     out.update(error=repr(st.error()))

@@ -37,7 +37,6 @@ MODELS = {  # route -> the request class http_server.py takes there (io_struct.p
 }
 IGNORED_BY_SGLANG = {  # keys the client sends that SGLang's models do not declare, and why they are sent
     "/init_weights_update_group": {"timeout_s"},  # the embedded server's join deadline; SGLang has its own
-    "/update_weights_from_distributed": {"bucket_bytes"},  # the embedded server's bucket size (dist transport)
 }
 
 
@@ -71,9 +70,14 @@ def sent(tmp_path_factory):
             await client.abort_request("gone")
             with pytest.raises(ValueError):
                 await client.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", "gloo", timeout_s=1)
-            with pytest.raises(ValueError):  # no such group: refused inside the session, which is then closed
+            await client.begin_weight_update()  # a version goes in one session, one request per bucket
+            with pytest.raises(ValueError):  # no such group: refused inside the session
+                await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], "g", None,
+                                                             load_format="flattened_bucket")
+            with pytest.raises(ValueError):
                 await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]], "g", 9,
-                                                             load_format="flattened_bucket", bucket_bytes=1 << 20)
+                                                             load_format="flattened_bucket", flush_cache=True)
+            await client.end_weight_update()
             await client.destroy_weights_update_group("g")
         finally:
             await client.close()
