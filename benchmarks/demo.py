@@ -1,0 +1,107 @@
+"""`make demo`'s run, several times: the README's demo row as medians (min-max) over the runs.
+
+    python benchmarks/demo.py                  # 3 runs of configs/smollm2_arith.yaml, as `make demo` runs it
+    python benchmarks/demo.py --avx2           # the same on AVX2 kernels (emulates an AVX2-only CPU)
+    python benchmarks/demo.py --runs 5 mode=sync    # overrides go to every run
+
+Each run is the command `make demo` runs (`async-rl run --config configs/smollm2_arith.yaml`),
+in its own run directory, one after the other. Per run: the process's wall time, the wall time
+from the first generation to the last train step, held-out accuracy before and after, and the
+wall-clock training time to each `task.eval_targets` accuracy (from the periodic evaluations).
+Writes benchmarks/results/demo[_avx2].md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import write_results  # noqa: E402
+
+CONFIG = "configs/smollm2_arith.yaml"
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "DNNL_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def one_run(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", CONFIG, f"run_dir={run_dir}",
+                        "log.progress=false", *overrides], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, **env})
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"run failed ({p.returncode}): {p.stderr[-2000:]}")
+    evals = rows(run_dir / "eval.jsonl")
+    before = next(e for e in evals if e["when"] == "before")
+    after = next(e for e in reversed(evals) if e["when"] == "after")
+    metrics = rows(run_dir / "metrics.jsonl")
+    started = next(r["time"] for r in rows(run_dir / "rollout_metrics.jsonl") if "rollout/generation_started" in r)
+    targets = json.loads(json.dumps(_config(run_dir)["task"]["eval_targets"]))
+    periodic = [e for e in evals if e["when"] == "periodic"]
+    reach = {f"{t:.2f}": next((e["timing/train_wall_s"] for e in periodic if e["eval/accuracy"] >= t), None)
+             for t in targets}
+    dtype = next((line for line in p.stdout.splitlines() if line.startswith("engine dtype:")), "")
+    return {"wall_s": wall, "train_wall_s": metrics[-1]["time"] - started, "steps": len(metrics),
+            "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
+            "eval_n": after["eval/n"], "time_to": reach, "dtype_line": dtype}
+
+
+def _config(run_dir: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def summary(values: list[float | None]) -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return "not reached"
+    cell = f"{statistics.median(got):.3g} ({min(got):.3g}-{max(got):.3g})" if len(got) > 1 else f"{got[0]:.3g}"
+    return cell + ("" if len(got) == len(values) else f", reached in {len(got)} of {len(values)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--avx2", action="store_true", help="hold torch's kernels to AVX2 (an AVX2-only CPU)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = ap.parse_args()
+    env = AVX2 if args.avx2 else {}
+    name = "demo_avx2" if args.avx2 else "demo"
+    runs = []
+    for k in range(args.runs):
+        run = one_run(ROOT / "runs" / f"{name}_{k}", args.overrides, env)
+        runs.append(run)
+        print(f"run {k}: {json.dumps(run)}", flush=True)
+    targets = sorted(runs[0]["time_to"])
+    lines = [f"`make demo` = `async-rl run --config {CONFIG}`{' ' + ' '.join(args.overrides) if args.overrides else ''}"
+             f", {args.runs} runs one after the other; median (min-max).", "",
+             f"{runs[0]['dtype_line']}", "",
+             "| make demo wall | steps | training wall clock | held-out accuracy before -> after | "
+             + " | ".join(f"time to {t}" for t in targets) + " |",
+             "|---|---|---|---|" + "---|" * len(targets),
+             f"| {summary([r['wall_s'] for r in runs])} s | {runs[0]['steps']} | "
+             f"{summary([r['train_wall_s'] for r in runs])} s | "
+             f"{summary([r['accuracy_before'] for r in runs])} -> {summary([r['accuracy_after'] for r in runs])} "
+             f"on {runs[0]['eval_n']} problems | "
+             + " | ".join(f"{summary([r['time_to'][t] for r in runs])} s" for t in targets) + " |",
+             "", "Runs:", ""]
+    lines += [f"- {json.dumps(r)}" for r in runs]
+    path = write_results(name, "\n".join(lines), {"runs": runs})
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
