@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -96,27 +97,62 @@ def ceiling(sync: dict) -> float | None:
     return 1.0 / max(1.0 - sync["trainer_idle_frac"], 1.0 - sync["engine_idle_frac"], 1e-9)
 
 
-def table(results: list[dict]) -> str:
-    head = ("| set-up | setting | whole run s | trained traj/s | vs sync | trained tok/s | vs sync | steady traj/s | "
-            "vs sync | of ceiling | generated tok/s | trainer idle | engine idle | interrupted | staleness of arrivals "
-            "(lag 0,1,..,>eta) | reward last 5 | acc after |")
-    lines = [head, "|" + "---|" * 17]
+def _cell(values: list[float], fmt: str, unit: str = "") -> str:
+    """One setting's repeats: the median, then (min-max) when there are several."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:{fmt}}{unit}"
+    return f"{med:{fmt}}{unit} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def _groups(results: list[dict]) -> list[tuple[str, str, list[dict]]]:
+    """(set-up, setting, its repeats) in first-run order."""
+    order: dict[tuple[str, str], list[dict]] = {}
     for r in results:
-        base = next(b for b in results if b["setup"] == r["setup"] and b["setting"] == "sync")
-        top = ceiling(base) if r["setup"] == "pools" else None
-        steady = r["trained_traj_per_s"] / base["trained_traj_per_s"]
-        of_top = "" if top is None or r is base else f"{100 * steady / top:.0f}% of {top:.2f}x"
-        eng = "n/a" if r["engine_idle_frac"] is None else f"{100 * r['engine_idle_frac']:.0f}%"
-        acc = "n/a" if r["acc_after"] is None else f"{r['acc_after']:.2f}"
+        order.setdefault((r["setup"], r["setting"]), []).append(r)
+    return [(s, name, runs) for (s, name), runs in order.items()]
+
+
+def _base(results: list[dict], r: dict) -> dict:
+    """The sync run of r's set-up in the same round (ratios are taken within a round, then summarised)."""
+    return next(b for b in results if b["setup"] == r["setup"] and b["setting"] == "sync"
+                and b.get("round", 0) == r.get("round", 0))
+
+
+def ratios(results: list[dict], runs: list[dict], key: str) -> list[float]:
+    return [r[key] / _base(results, r)[key] for r in runs]
+
+
+def table(results: list[dict]) -> str:
+    head = ("| set-up | setting | runs | whole run s | trained traj/s | vs sync | trained tok/s | vs sync | "
+            "steady traj/s | vs sync | of ceiling | generated tok/s | trainer idle | engine idle | interrupted | "
+            "staleness of arrivals, all runs (lag 0,1,..,>eta) | reward last 5 | acc after |")
+    lines = [head, "|" + "---|" * 18]
+    for setup, setting, runs in _groups(results):
+        med = {k: statistics.median(r[k] for r in runs) for k in
+               ("run_wall_s", "run_trained_traj_per_s", "run_trained_tokens_per_s", "trained_traj_per_s",
+                "generated_tokens_per_s", "trainer_idle_frac", "interrupted_frac", "reward_last")}
+        steady = ratios(results, runs, "trained_traj_per_s")
+        tops = [ceiling(_base(results, r)) for r in runs] if setup == "pools" else []
+        of_top = ("" if setting == "sync" or not tops or None in tops
+                  else f"{100 * statistics.median(s / t for s, t in zip(steady, tops)):.0f}% of "
+                       f"{statistics.median(tops):.2f}x")
+        idle = [r["engine_idle_frac"] for r in runs if r["engine_idle_frac"] is not None]
+        eng = "n/a" if not idle else f"{100 * statistics.median(idle):.0f}%"
+        accs = [r["acc_after"] for r in runs if r["acc_after"] is not None]
+        acc = "n/a" if not accs else f"{statistics.median(accs):.2f}"
+        hist: list[int] = []
+        for r in runs:
+            h = r["staleness_hist"]
+            hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
         lines.append(
-            f"| {r['setup']} | {r['setting']} | {r['run_wall_s']:.1f} | {r['run_trained_traj_per_s']:.1f} | "
-            f"{r['run_trained_traj_per_s'] / base['run_trained_traj_per_s']:.2f}x | "
-            f"{r['run_trained_tokens_per_s']:.0f} | "
-            f"{r['run_trained_tokens_per_s'] / base['run_trained_tokens_per_s']:.2f}x | "
-            f"{r['trained_traj_per_s']:.1f} | {steady:.2f}x | {of_top} | "
-            f"{r['generated_tokens_per_s']:.0f} | "
-            f"{100 * r['trainer_idle_frac']:.0f}% | {eng} | {100 * r['interrupted_frac']:.0f}% | "
-            f"{r['staleness_hist']} | {r['reward_last']:.2f} | {acc} |")
+            f"| {setup} | {setting} | {len(runs)} | {_cell([r['run_wall_s'] for r in runs], '.1f')} | "
+            f"{med['run_trained_traj_per_s']:.1f} | {_cell(ratios(results, runs, 'run_trained_traj_per_s'), '.2f', 'x')} | "
+            f"{med['run_trained_tokens_per_s']:.0f} | "
+            f"{_cell(ratios(results, runs, 'run_trained_tokens_per_s'), '.2f', 'x')} | "
+            f"{med['trained_traj_per_s']:.1f} | {_cell(steady, '.2f', 'x')} | {of_top} | "
+            f"{med['generated_tokens_per_s']:.0f} | {100 * med['trainer_idle_frac']:.0f}% | {eng} | "
+            f"{100 * med['interrupted_frac']:.0f}% | {hist} | {med['reward_last']:.2f} | {acc} |")
     return "\n".join(lines)
 
 
@@ -127,7 +163,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="train steps left out of the throughput window")
     ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8], help="max_staleness of the async runs")
     ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
-    ap.add_argument("--quick", action="store_true", help="8 steps, sync and eta 2 only: under 5 minutes")
+    ap.add_argument("--quick", action="store_true", help="8 steps, sync and eta 2 only: about 2 minutes a round")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of every setting (each round runs them all once, so drift hits every setting "
+                         "alike); the table shows medians (min-max), ratios to sync taken within a round")
     ap.add_argument("--name", default="async_vs_sync", help="results file name under benchmarks/results/")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     ap.add_argument("--render", metavar="JSON", help="re-render the table of a saved results file, run nothing")
@@ -137,19 +176,26 @@ def main() -> None:
         return
     if args.quick:
         args.steps, args.eta, args.warmup = 8, [2], 2
+    if args.repeats < 1:
+        raise SystemExit("error: --repeats must be at least 1")
     results, curves = [], {}
-    for setup in args.setups:
-        for mode, eta in [("sync", 0)] + [("async", e) for e in args.eta]:
-            run_dir = ROOT / "runs" / "bench" / f"{setup}_{mode}_{eta}"
-            print(f"{setup}: {mode} eta={eta} ...", flush=True)
-            results.append(run_one(args.config, args.steps, setup, mode, eta, run_dir, args.warmup, args.overrides))
-            curves[f"{setup} {results[-1]['setting']}"] = run_dir
+    for rnd in range(args.repeats):
+        for setup in args.setups:
+            for mode, eta in [("sync", 0)] + [("async", e) for e in args.eta]:
+                run_dir = ROOT / "runs" / "bench" / f"{setup}_{mode}_{eta}_r{rnd}"
+                print(f"round {rnd + 1}/{args.repeats} {setup}: {mode} eta={eta} ...", flush=True)
+                results.append(run_one(args.config, args.steps, setup, mode, eta, run_dir, args.warmup,
+                                       args.overrides) | {"round": rnd})
+                if rnd == 0:
+                    curves[f"{setup} {results[-1]['setting']}"] = run_dir
     text = table(results)
     print(text)
-    key = "run_trained_tokens_per_s"
-    summary = {s: max(r[key] for r in results if r["setup"] == s and r["setting"] != "sync")
-               / next(r[key] for r in results if r["setup"] == s and r["setting"] == "sync") for s in args.setups}
-    note = ("\n\nBest async / sync trained tokens/s over the whole run: "
+    key = "run_trained_traj_per_s"
+    summary = {s: max(statistics.median(ratios(results, runs, key)) for setup, name, runs in _groups(results)
+                      if setup == s and name != "sync") for s in args.setups}
+    note = (f"\n\n{args.repeats} round(s), each running every setting once; cells are medians over the rounds, "
+            "(min-max) where shown; a ratio to sync is taken within its round. Best async / sync trained "
+            "trajectories/s over the whole run (median): "
             + ", ".join(f"{s} {v:.2f}x" for s, v in summary.items())
             + ". Whole run: from the moment the rollout side starts generating to the last train step (pipeline "
             "fill included); every run trains total_steps x batch_size trajectories, less those dropped as too "
@@ -159,7 +205,8 @@ def main() -> None:
             "steady async / sync against 1 / (sync's busier pool's share of its step), the most two pools can "
             "overlap (2x only when generation and training take equally long). Staleness of "
             "arrivals: the lag of each arriving trajectory's oldest token; the last bin (> eta) was dropped.")
-    write_results(args.name, text + note, {"results": results, "speedup": summary, "steps": args.steps})
+    write_results(args.name, text + note, {"results": results, "speedup": summary, "steps": args.steps,
+                                          "repeats": args.repeats})
     from async_rl.report import compare_runs
 
     compare_runs(curves, ROOT / "benchmarks" / "results" / f"{args.name}.png", title="Async vs sync: learning curves")

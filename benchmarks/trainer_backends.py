@@ -11,8 +11,8 @@ cores of a 1-process one; the table also gives tokens/s per process. A case
 runs one warm-up step, then `--steps` timed steps: tokens/s is the trained (loss-mask) tokens
 over their wall time. Publish: the weights of a version gathered (and, for megatron, converted
 to HF names) and written by the `disk` publisher, as `async-rl run` publishes after each step;
-median of 3. The cases run round-robin `--repeats` times and each reports its best round, so a
-burst of other work on the machine does not land on one case alone.
+median of 3. The cases run round-robin `--repeats` times (3), so drift on the machine hits every
+case alike, and each reports the median of its rounds with their min-max.
 
     python benchmarks/trainer_backends.py            # about 6 min on 2 cores
     python benchmarks/trainer_backends.py --quick    # a smaller model, fewer steps
@@ -143,30 +143,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every process")
-    ap.add_argument("--repeats", type=int, default=2, help="rounds over all cases; each reports its best")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over all cases; each reports its median")
     ap.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, 2 steps")
     args = ap.parse_args()
     if args.quick:
         args.hidden, args.layers, args.steps, args.repeats = 128, 2, 2, 1
-    best: dict[str, dict] = {}
+    if args.repeats < 1:
+        raise SystemExit("error: --repeats must be at least 1")
+    rounds: dict[str, list[dict]] = {name: [] for name in CASES}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.repeats):
             for name in CASES:
                 row = run_case(args, name, Path(tmp))
                 print(f"round {round_}: {name}: {row['tokens_per_s']:.0f} trained tokens/s, "
                       f"publish {row['publish_s']:.3f} s", flush=True)
-                if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
-                    best[name] = {**row, "publish_s": min(row["publish_s"], best.get(name, row)["publish_s"])}
-    rows = [best[name] for name in CASES]
+                rounds[name].append(row)
+    rows = [{**runs[0], "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+             "tokens_per_s_min": min(r["tokens_per_s"] for r in runs),
+             "tokens_per_s_max": max(r["tokens_per_s"] for r in runs),
+             "publish_s": statistics.median(r["publish_s"] for r in runs), "rounds": runs}
+            for runs in rounds.values()]
     base = rows[0]["tokens_per_s"]
     lines = [f"Model: Llama-shaped, hidden {args.hidden}, {args.layers} layers, 8 heads / 4 KV heads, vocabulary 100, "
              f"fp32; 64 trajectories a step (~{rows[0]['tokens'] / args.steps:.0f} trained tokens), one minibatch, "
              f"micro-batches of {args.micro_tokens} padded tokens; {args.steps} timed steps after one warm-up; "
-             f"{args.threads} torch thread(s) per process; best of {args.repeats} rounds.", "",
+             f"{args.threads} torch thread(s) per process; median (min-max) of {args.repeats} rounds.", "",
              "| backend | processes | trained tokens/s | vs single | per process | publish (gather + disk) s |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['case']} | {r['world_size']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x "
+        lines.append(f"| {r['case']} | {r['world_size']} | {r['tokens_per_s']:.0f} "
+                     f"({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}) | {r['tokens_per_s'] / base:.2f}x "
                      f"| {r['tokens_per_s'] / r['world_size']:.0f} | {r['publish_s']:.3f} |")
     lines += ["", f"Load average when it ended (other processes on this machine): "
                   f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min)."]
