@@ -35,7 +35,8 @@ import torch
 
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
-from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
+from async_rl.trainer.batching import Batch, collate, micro_batches
+from async_rl.trainer.logprobs import token_logprobs
 from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
 from async_rl.trainer.stats import StatsAccumulator
 from async_rl.types import Trajectory

@@ -13,7 +13,8 @@ import torch
 
 from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.models import build_tiny_tokenizer, load_model
-from async_rl.trainer.batching import collate, micro_batches, token_logprobs
+from async_rl.trainer.batching import collate, micro_batches
+from async_rl.trainer.logprobs import token_logprobs
 from async_rl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.types import Trajectory

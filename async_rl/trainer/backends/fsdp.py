@@ -40,8 +40,9 @@ from async_rl.trainer.backends import RankInfo, train_staleness, trainer_config
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict, gathered_weights
 from async_rl.trainer.backends.scatter import load_sharded
 from async_rl.trainer.backends.spmd import SPMDTrainer, check_ranks, join_group
-from async_rl.trainer.batching import Batch, token_logprobs
+from async_rl.trainer.batching import Batch
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
+from async_rl.trainer.logprobs import token_logprobs
 from async_rl.trainer.trainer import score_mask
 from async_rl.utils.weights import WeightSource
 

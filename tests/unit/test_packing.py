@@ -1,0 +1,113 @@
+"""Packed micro-batches: one row of several trajectories, position ids restarting at 0 for each,
+attention block-diagonal. Only the layout changes: log-probs must equal each row scored alone,
+on rows of different lengths, and each control (positions that do not restart, a 2-D mask that
+lets the sequences see each other) must miss by far more than float noise. Also: token-budget cuts.
+"""
+
+import pytest
+import torch
+
+from async_rl.models import build_tiny_tokenizer
+from async_rl.trainer.batching import collate, micro_batches, seq_len
+from async_rl.trainer.logprobs import token_logprobs
+from tests.unit.test_trainer import ALPHABET, _ids, _manual_logprobs, _model, _traj
+
+NOISE = 1e-5  # fp32: packed vs padded differ by summation order only
+LEAK = 1e-2  # a control must miss by more than this (measured: ~0.2 on the tiny model)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer(ALPHABET)
+
+
+def _groups(tok, model, version=0):
+    """Two prompts x 3 answers of 1 to 9 tokens, one with a tool token (mask 0) in the middle."""
+    groups = []
+    for prompt, answers in (("1+2=", ("3", "3 1+1=2", "12 ")), ("13+20=", ("33", "7", "33 0+0=0"))):
+        p = _ids(tok, prompt)
+        group = []
+        for k, a in enumerate(answers):
+            r = _ids(tok, a)
+            mask = [0 if j == 2 else 1 for j in range(len(r))] if len(r) > 3 else None
+            group.append(_traj(model, p, r, reward=float(k % 2), group=prompt, version=version, mask=mask))
+        groups.append(group)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------- layout
+def test_packed_collate_is_the_padded_rows_back_to_back(tok):
+    model = _model(tok)
+    trajs = [t for g in _groups(tok, model) for t in g]
+    adv = torch.linspace(-1, 1, len(trajs))
+    index = [4, 0, 2, 5]
+    agg = lambda m: m / (1 + m.sum(dim=1, keepdim=True))  # noqa: E731 -- a per-trajectory weight rule
+    padded = collate(trajs, adv, index, loss_agg=agg)
+    packed = collate(trajs, adv, index, packed=True, loss_agg=agg)
+    lengths = [seq_len(trajs[i]) for i in index]
+    assert packed.batch_size == torch.Size([1]) and packed.input_ids.shape == (1, sum(lengths))
+    assert packed.attention_mask.all() and packed.loss_mask.shape == (1, sum(lengths) - 1)
+    start = 0
+    for b, n in enumerate(lengths):
+        assert torch.equal(packed.input_ids[0, start:start + n], padded.input_ids[b, :n])
+        assert packed.position_ids[0, start:start + n].tolist() == list(range(n))
+        for key in ("loss_mask", "behav_logprobs", "versions", "advantages", "loss_weights"):
+            assert torch.equal(packed.get(key)[0, start:start + n - 1], padded.get(key)[b, :n - 1]), key
+        if start + n - 1 < sum(lengths) - 1:  # the boundary column predicts the next trajectory's first token
+            assert packed.loss_mask[0, start + n - 1] == 0 and packed.versions[0, start + n - 1] == -1
+        start += n
+    assert packed.num_tokens == padded.num_tokens
+
+
+def test_packed_micro_batches_fill_a_token_budget(tok):
+    model = _model(tok)
+    lengths = [8] * 30 + [70] * 2  # the long tail that padded cuts must cut around
+    trajs = [_traj(model, [3], [4] * (n - 1), reward=0.0, group="g") for n in lengths]
+    assert micro_batches(trajs, token_budget=8192, overhead_tokens=256, packed=True) == [[30, 31] + list(range(30))]
+    parts = micro_batches(trajs, token_budget=100, packed=True)
+    assert sorted(i for p in parts for i in p) == list(range(32))
+    assert all(sum(lengths[i] for i in p) <= 100 for p in parts)
+    assert len(parts) == 4  # 380 tokens: first-fit reaches the bound ceil(380 / 100)
+    assert micro_batches(trajs, token_budget=50, packed=True)[:2] == [[30], [31]]  # longer than the budget: alone
+
+
+# ---------------------------------------------------------------------------------------- log-probs
+def _pack(seqs):
+    ids = torch.tensor([sum(seqs, [])])
+    return ids, torch.tensor([[i for s in seqs for i in range(len(s))]])
+
+
+def _unpack(row, seqs):
+    """Each sequence's own columns of a packed [T-1] row."""
+    out, start = [], 0
+    for s in seqs:
+        out.append(row[start:start + len(s) - 1])
+        start += len(s)
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logprobs_match_each_row_scored_alone_and_the_controls_do_not(tok, attn):
+    model = _model(tok)
+    model.config._attn_implementation = attn
+    seqs = [_ids(tok, s) for s in ("1+2=3", "12+30=42 ", "7=", "4+4=8 8+1=9")]
+    ids, positions = _pack(seqs)
+    with torch.no_grad():
+        packed = token_logprobs(model, ids, None, 0.7, position_ids=positions, chunk_tokens=5)[0]
+        running = token_logprobs(model, ids, None, 0.7, position_ids=torch.arange(ids.shape[1])[None])[0]
+        seen = token_logprobs(model, ids, torch.ones_like(ids), 0.7, position_ids=positions)[0]
+    alone = [_manual_logprobs(model, s, 0.7) for s in seqs]
+    gap = lambda lp: max(float((a - b).abs().max()) for a, b in zip(_unpack(lp, seqs), alone))  # noqa: E731
+    assert gap(packed) <= NOISE
+    # controls: positions that run on across sequences, or a 2-D mask (a plain causal row: no block diagonal)
+    assert gap(running) > LEAK and gap(seen) > LEAK
+    boundary = torch.tensor([sum(map(len, seqs[:k + 1])) - 1 for k in range(len(seqs) - 1)])
+    assert (packed[boundary] == 0).all()  # never scored: the next sequence's first token
