@@ -311,15 +311,16 @@ def _exchange_rank(rank: int, port: int, out: str, errors) -> None:
     """Rank 0 sends three steps' shares (rows; trajectories with nothing trained; rows again), rank 1 receives."""
     from async_rl.trainer.backends.spmd import recv_shares, send_shares
     from async_rl.trainer.batching import collate
-    from async_rl.trainer.trainer import Share
+    from async_rl.trainer.plan import Share
 
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
         trajs = [t for g in _groups(0) for t in g][:4]
         batch = collate(trajs, torch.ones(4), [0, 1, 2, 3])
-        steps = [[Share(total=batch.num_tokens, micros=[batch])], [Share(total=0, micros=[])],
-                 [Share(total=batch.num_tokens, micros=[batch[1:3]])]]
+        steps = [[Share(total=batch.num_tokens, micros=[batch], tokens=[batch.num_tokens])],
+                 [Share(total=0, micros=[], tokens=[])],
+                 [Share(total=batch.num_tokens, micros=[batch[1:3]], tokens=[batch[1:3].num_tokens])]]
         if rank == 0:
             for shares in steps:
                 send_shares(shares, 1, torch.device("cpu"))
@@ -327,6 +328,7 @@ def _exchange_rank(rank: int, port: int, out: str, errors) -> None:
             got = [recv_shares(torch.device("cpu")) for _ in steps]
             for want, have in zip(steps, got):
                 assert [s.total for s in have] == [s.total for s in want]
+                assert [s.tokens for s in have] == [s.tokens for s in want]
                 for a, b in zip(want, have):
                     assert len(a.micros) == len(b.micros)
                     for x, y in zip(a.micros, b.micros):

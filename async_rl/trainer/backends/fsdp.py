@@ -43,7 +43,7 @@ from async_rl.trainer.backends.spmd import SPMDTrainer, check_ranks, join_group
 from async_rl.trainer.batching import Batch
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
 from async_rl.trainer.logprobs import token_logprobs
-from async_rl.trainer.trainer import score_mask
+from async_rl.trainer.plan import score_mask
 from async_rl.utils.weights import WeightSource
 
 logger = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ from async_rl.trainer.backends.scatter import read_meta
 from async_rl.trainer.backends.spmd import SPMDTrainer, check_ranks, join_group
 from async_rl.trainer.batching import Batch
 from async_rl.trainer.checkpoint import HFTensors, TensorStream, hf_exporter, save_checkpoint
-from async_rl.trainer.trainer import score_mask
+from async_rl.trainer.plan import score_mask
 from async_rl.utils.hardware import DtypeChoice, resolve_dtype
 from async_rl.utils.weights import WeightSource
 
