@@ -20,7 +20,9 @@ previous one by 1), for the sdpa, eager and flex paths; flash-attention derives 
 cu_seqlens from the same position ids. So a packed call passes `attention_mask=None` and
 `use_cache=False` (with a cache, or with any 2-D mask, the sequences would attend to each
 other). Llama (the tiny test model, SmolLM2) goes through that function;
-`packing_error` checks any other model on a probe before the trainer relies on it.
+`packing_error` checks any other model on a probe before the trainer relies on it. That mask
+is dense over the row, though (T^2 scores for sum(n^2) that count): an sdpa model's packed row
+goes through packed_attention.py instead, each sequence attending to itself alone.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from async_rl.trainer.packed_attention import packed_attention
 
 # config attributes of heads that are more than a plain linear layer: fall back to full logits
 _SPECIAL_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -100,16 +104,18 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     rows, cols = score_mask.nonzero(as_tuple=True)  # [N] each
     targets = input_ids[:, 1:][rows, cols]  # [N]
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    packed = position_ids if attention_mask is None else None
     split = _plain_head(model)
-    if split is None:
-        logits = model(**inputs).logits
-        picked = _pick(logits[:, :-1][rows, cols], targets, inv_temp)  # [N]
-    else:
-        decoder, head = split
-        hidden = decoder(**inputs).last_hidden_state
-        h = hidden[:, :-1][rows, cols]  # [N, H]
-        picked = chunked_logprobs(_chunk_logprobs, h, targets, head.weight, head.bias, inv_temp,
-                                  chunk_tokens=chunk_tokens)
+    with packed_attention(getattr(model, "config", None), packed) as extra:
+        if split is None:
+            logits = model(**inputs, **extra).logits
+            picked = _pick(logits[:, :-1][rows, cols], targets, inv_temp)  # [N]
+        else:
+            decoder, head = split
+            hidden = decoder(**inputs, **extra).last_hidden_state
+            h = hidden[:, :-1][rows, cols]  # [N, H]
+            picked = chunked_logprobs(_chunk_logprobs, h, targets, head.weight, head.bias, inv_temp,
+                                      chunk_tokens=chunk_tokens)
     out = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device)
     return out.index_put((rows, cols), picked)
 

@@ -111,3 +111,24 @@ def test_packed_logprobs_match_each_row_scored_alone_and_the_controls_do_not(tok
     assert gap(running) > LEAK and gap(seen) > LEAK
     boundary = torch.tensor([sum(map(len, seqs[:k + 1])) - 1 for k in range(len(seqs) - 1)])
     assert (packed[boundary] == 0).all()  # never scored: the next sequence's first token
+
+
+def test_packed_sdpa_attends_sequence_by_sequence_and_restores_the_config(tok, monkeypatch):
+    """An sdpa model's packed row runs one causal attention per sequence per layer (sum of n^2 scores, no
+    [T, T] mask), and the model's attention setting is back to sdpa after the call (checkpoints save it)."""
+    from transformers.integrations import sdpa_attention
+
+    model = _model(tok)
+    assert model.config._attn_implementation == "sdpa"
+    seqs = [_ids(tok, s) for s in ("1+2=3", "12+30=42 ", "7=")]
+    ids, positions = _pack(seqs)
+    calls, forward = [], sdpa_attention.sdpa_attention_forward
+
+    def counted(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape[2], attention_mask))
+        return forward(module, query, key, value, attention_mask, **kwargs)
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", counted)
+    with torch.no_grad():
+        token_logprobs(model, ids, None, 1.0, position_ids=positions)
+    assert calls == [(len(s), None) for _ in range(model.config.num_hidden_layers) for s in seqs]
+    assert model.config._attn_implementation == "sdpa"
