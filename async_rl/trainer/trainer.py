@@ -10,9 +10,10 @@ versions older than `policy_version`, (2) computes group-relative advantages, (3
 recomputes proximal log-probs with the current weights, (4) takes `cfg.minibatches`
 AdamW steps on the policy loss (`cfg.loss`, its token terms added up as `cfg.loss_agg` says
 over the minibatch), each accumulating gradients over micro-batches of at most
-`cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`. A micro-batch's
-stats stay on the device until the step ends (trainer/stats.py): the host waits for the device
-once per optimizer step (the gradient norm), not per micro-batch.
+`cfg.micro_batch_tokens` tokens (packed rows, `cfg.pack_sequences`; padded: rows x longest),
+and (5) advances `policy_version`. A micro-batch's stats stay on the device until the step
+ends (trainer/stats.py): the host waits for the device once per optimizer step (the gradient
+norm), not per micro-batch.
 A trajectory sampled (in part) by weights NEWER than `policy_version` comes from a future a
 resume threw away (the trainer went back to a checkpoint): it is dropped too, and counted
 (`train/dropped_future`). A batch whose every trajectory is dropped is not a train step: nothing is updated, the
@@ -38,7 +39,7 @@ import torch
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, trained_tokens
-from async_rl.trainer.logprobs import token_logprobs
+from async_rl.trainer.logprobs import packing_error, token_logprobs
 from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
 from async_rl.trainer.plan import Minibatch, Share, plan_minibatch, score_mask
 from async_rl.trainer.stats import StatsAccumulator, arrival_stats, staleness_stats, version_stats
@@ -47,6 +48,9 @@ from async_rl.utils.hardware import resolve_dtype
 from async_rl.utils.weights import WeightSource
 
 logger = logging.getLogger(__name__)
+
+# probe log-probs packed vs padded: float noise is ~1e-6, sequences that see each other ~0.1 (logprobs.py)
+_PACKING_TOL = 1e-3
 
 # reported when a step has nothing to train on, so every step logs the same keys
 _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 1.0,
@@ -72,6 +76,8 @@ def split_by_age(trajs: list[Trajectory], policy_version: int,
 class PPOTrainer:
     """Decoupled PPO on an HF causal LM; `policy_version` is the version of the current weights."""
 
+    can_pack = True  # micro-batches may be packed rows (a backend whose model cannot take them says False)
+
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, temperature: float, max_staleness: int,
                  seed: int, policy_version: int = 0, loss: str | None = None):
         if max_staleness < 0:
@@ -96,6 +102,7 @@ class PPOTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
         self.hf_export = None  # set by a backend: makes each checkpoint a Hugging Face model directory
+        self.packed = self.can_pack and cfg.pack_sequences is not False and self._packing_holds(cfg.pack_sequences)
 
     # ------------------------------------------------------------------ public
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
@@ -150,6 +157,26 @@ class PPOTrainer:
         return out
 
     # ------------------------------------------------------------------ internals
+    def _packing_holds(self, setting: bool | None) -> bool:
+        """Whether this model scores packed rows as it scores padded ones (a probe through `_score`, the
+        forward the trainer uses): trainer.pack_sequences=true requires it, null (auto) falls back to padded."""
+        vocab = next(m.num_embeddings for m in self.model.modules() if isinstance(m, torch.nn.Embedding))
+        dev = self.device
+
+        def score(ids, mask, pos):
+            return self._score(ids.to(dev), None if mask is None else mask.to(dev),
+                               None if pos is None else pos.to(dev), None)
+        gap = packing_error(score, vocab)
+        if gap <= _PACKING_TOL:
+            return True
+        why = (f"trainer.pack_sequences: {type(self.model).__name__} scores two probe sequences packed in one row "
+               f"{gap:.2g} away from the same sequences as padded rows (its attention lets packed sequences see "
+               "each other)")
+        if setting:
+            raise ValueError(f"{why}; set trainer.pack_sequences=false")
+        logger.warning("%s: training padded rows", why)
+        return False
+
     def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
         adv = self.advantage_fn(trajs, self.cfg)  # [N], or [N, trained tokens] (trainer.advantage)
         plans = self._plan(trajs)
@@ -213,8 +240,17 @@ class PPOTrainer:
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, L-1] log-probs of the batch's trained tokens under the current weights."""
         with self._autocast():
-            return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
-                                  score_mask=score_mask(batch))
+            return self._score(batch.input_ids, *self._layout(batch), score_mask(batch))
+
+    def _layout(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention_mask, position_ids) of `token_logprobs`: packed rows pass only the positions."""
+        return (None, batch.position_ids) if self.packed else (batch.attention_mask, None)
+
+    def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+               score: torch.Tensor | None) -> torch.Tensor:
+        """The policy's forward: `token_logprobs` (a sharded backend runs its root module instead)."""
+        return token_logprobs(self.model, input_ids, attention_mask, self.temperature, score_mask=score,
+                              position_ids=position_ids)
 
     # Seams for data-parallel backends (trainer/backends/): which micro-batches this process
     # runs, and how its token-weighted stats combine with the other processes'.
@@ -224,9 +260,9 @@ class PPOTrainer:
                       tokens=[sum(trained_tokens(trajs[i]) for i in idx) for idx in mb.micros]) for mb in plans]
 
     def _collate(self, trajs: list[Trajectory], adv: torch.Tensor, mb: Minibatch, index: list[int]) -> Batch:
-        """`trajs[i] for i in index` as one micro-batch of minibatch `mb`, on the CPU."""
+        """`trajs[i] for i in index` as one micro-batch of minibatch `mb`, in this trainer's layout, on the CPU."""
         agg = partial(self.loss_agg, tokens=mb.tokens, seqs=mb.seqs, norm_tokens=self.cfg.loss_agg_tokens)
-        return collate(trajs, adv, index, loss_agg=agg)
+        return collate(trajs, adv, index, packed=self.packed, loss_agg=agg)
 
     def _stats_result(self, acc: StatsAccumulator) -> dict[str, float]:
         return acc.result()
@@ -246,7 +282,7 @@ class PPOTrainer:
         n = min(self.cfg.minibatches, len(trajs))
         order = self._rng.permutation(len(trajs)) if n > 1 else np.arange(len(trajs))
         return [plan_minibatch(trajs, [int(i) for i in chunk], self.cfg.micro_batch_tokens,
-                               self.cfg.micro_batch_overhead_tokens, packed=False)
+                               self.cfg.micro_batch_overhead_tokens, packed=self.packed)
                 for chunk in np.array_split(order, n)]
 
     @torch.no_grad()
@@ -257,9 +293,12 @@ class PPOTrainer:
     @torch.no_grad()
     def _ref_logprobs(self, shares: list[Share]) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the reference weights (trainer.kl_coef)."""
+        def score(b: Batch) -> torch.Tensor:
+            mask, positions = self._layout(b)
+            return token_logprobs(self.ref_model, b.input_ids, mask, self.temperature, score_mask=score_mask(b),
+                                  position_ids=positions)
         with self._autocast():
-            return [[token_logprobs(self.ref_model, b.input_ids, b.attention_mask, self.temperature,
-                                    score_mask=score_mask(b)) for b in share.micros] for share in shares]
+            return [[score(b) for b in share.micros] for share in shares]
 
     def _frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
         """A copy of `model` that never trains, in the compute dtype: one more model in memory (half

@@ -234,7 +234,9 @@ def _follower(cfg: Config, port: int, errors, received: str) -> None:
 
     def recording(device, _recv=spmd.recv_shares):
         shares = _recv(device)
-        rows = None if shares is None else [[int(b.batch_size[0]) for b in s.micros] for s in shares]
+        # per micro-batch: (rows, trajectories); a packed row holds several, each starting at position 0
+        rows = None if shares is None else [[(int(b.batch_size[0]), int((b.position_ids == 0).sum())) for b in s.micros]
+                                            for s in shares]
         with open(received, "a") as f:
             f.write(json.dumps(rows) + "\n")
         return shares
@@ -277,9 +279,9 @@ def test_follower_leaves_when_rank0_dies(tmp_path):
     # train_step x2, state_dict, weights x3, state_dict: command names only, never the data
     assert [keys for _, keys in frames] == [["op"]] * 7
     assert max(size for size, _ in frames) < 64, frames
-    # step 0: one micro-batch of 16 rows, rank 1 holds rows 1, 3, ..., 15; step 1 trained nothing
+    # step 0: one micro-batch of 16 trajectories, rank 1 holds 1, 3, ..., 15 packed in one row; step 1 trained nothing
     got = [json.loads(line) for line in received.read_text().splitlines()]
-    assert got == [[[8]], None], got
+    assert got == [[[[1, 8]]], None], got
 
 
 # ---------------------------------------------------------------------------------------- CUDA (NCCL)

@@ -6,15 +6,10 @@ import pytest
 import torch
 
 from async_rl.config import TrainerConfig
-from async_rl.models import build_tiny_tokenizer
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.utils.host_reads import HostReads
-from tests.unit.test_trainer import ALPHABET, _ids, _model, _traj
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer(ALPHABET)
+from tests.unit.test_trainer import _one_thread, tok  # noqa: F401  (fixtures: pytest finds them here)
+from tests.unit.test_trainer import _ids, _model, _traj
 
 
 def _groups(tok, model):
@@ -38,10 +33,12 @@ def _reads_per_micro_batch(tok, **cfg) -> list:
     return per_micro
 
 
-def test_a_micro_batch_reads_the_device_at_most_twice(tok):
-    """What is left per micro-batch: the nonzero of the scored positions and transformers' own mask check,
-    both before the decoder runs (it was 21 reads, stats read one by one)."""
-    per_micro = _reads_per_micro_batch(tok)
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_micro_batch_reads_the_device_at_most_twice(tok, packed):
+    """What is left per micro-batch: the nonzero of the scored positions, and transformers' own mask check
+    (padded rows) or the sequence lengths the packed attention splits at (packed rows), both before the
+    decoder runs (it was 21 reads, stats read one by one)."""
+    per_micro = _reads_per_micro_batch(tok, pack_sequences=packed)
     assert len(per_micro) >= 3
     assert all(sum(c.values()) <= 2 and c["nonzero"] == 1 for c in per_micro), per_micro
 

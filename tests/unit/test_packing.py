@@ -1,32 +1,23 @@
-"""Packed micro-batches: one row of several trajectories, position ids restarting at 0 for each,
-attention block-diagonal. Only the layout changes: log-probs must equal each row scored alone,
-on rows of different lengths, and each control (positions that do not restart, a 2-D mask that
-lets the sequences see each other) must miss by far more than float noise. Also: token-budget cuts.
+"""Packed micro-batches (`trainer.pack_sequences`): one row of several trajectories, position ids
+restarting at 0 for each, attention block-diagonal. Only the layout changes: log-probs, the loss
+and its gradient must equal the padded layout's, on rows of different lengths, and each control
+(positions that do not restart, a 2-D mask that lets the sequences see each other) must break
+that by far more than float noise. Also: token-budget cuts, and the probe that keeps a model
+which cannot pack on padded rows.
 """
 
 import pytest
 import torch
 
-from async_rl.models import build_tiny_tokenizer
+from async_rl.config import TrainerConfig
 from async_rl.trainer.batching import collate, micro_batches, seq_len
 from async_rl.trainer.logprobs import token_logprobs
-from tests.unit.test_trainer import ALPHABET, _ids, _manual_logprobs, _model, _traj
+from async_rl.trainer.trainer import PPOTrainer
+from tests.unit.test_trainer import _one_thread, tok  # noqa: F401  (fixtures: pytest finds them here)
+from tests.unit.test_trainer import _ids, _manual_logprobs, _model, _traj, recorded_grads
 
 NOISE = 1e-5  # fp32: packed vs padded differ by summation order only
 LEAK = 1e-2  # a control must miss by more than this (measured: ~0.2 on the tiny model)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tiny_tokenizer(ALPHABET)
 
 
 def _groups(tok, model, version=0):
@@ -132,3 +123,55 @@ def test_packed_sdpa_attends_sequence_by_sequence_and_restores_the_config(tok, m
         token_logprobs(model, ids, None, 1.0, position_ids=positions)
     assert calls == [(len(s), None) for _ in range(model.config.num_hidden_layers) for s in seqs]
     assert model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------------------------------- the update
+def _step(tok, packed, *, layout=None, **cfg):
+    model = _model(tok)
+    trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32", lr=1e-3, pack_sequences=packed, **cfg),
+                         temperature=1.0, max_staleness=0, seed=0)
+    if layout is not None:
+        trainer._layout = layout
+    grads = recorded_grads(trainer)
+    stats = trainer.train_step(_groups(tok, model))
+    return stats, grads
+
+
+@pytest.mark.parametrize("cfg", [dict(micro_batch_tokens=4096), dict(micro_batch_tokens=24, minibatches=2),
+                                 dict(micro_batch_tokens=30, loss_agg="seq_mean_token_mean")])
+def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(tok, cfg):
+    (padded, g_pad), (packed, g_pack) = _step(tok, False, **cfg), _step(tok, True, **cfg)
+    assert packed["train/num_tokens"] == padded["train/num_tokens"] > 0
+    for key in ("train/loss", "train/grad_norm", "train/clip_frac", "train/approx_kl", "train/logprob_mismatch_max"):
+        assert packed[key] == pytest.approx(padded[key], abs=NOISE), key
+    assert len(g_pack) == len(g_pad) == cfg.get("minibatches", 1)
+    for a, b in zip(g_pack, g_pad):
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) <= NOISE
+
+    def running(batch):  # the control: packed rows whose positions do not restart
+        return None, torch.arange(batch.input_ids.shape[1])[None]
+    _, g_bad = _step(tok, True, layout=running, **cfg)
+    assert max(float((a[k] - b[k]).abs().max()) for a, b in zip(g_bad, g_pad) for k in a) > 100 * NOISE
+
+
+# ---------------------------------------------------------------------------------------- the probe
+def _leaky(tok):
+    """A tiny Llama (eager attention: transformers' own mask) whose decoder drops position ids: packed
+    sequences then see each other."""
+    model = _model(tok)
+    model.config._attn_implementation = "eager"
+    forward = model.model.forward
+    model.model.forward = lambda *args, position_ids=None, **kwargs: forward(*args, **kwargs)
+    return model
+
+
+def test_a_model_that_cannot_pack_trains_padded_or_is_refused(tok, caplog):
+    def make(model, setting):
+        return PPOTrainer(model, TrainerConfig(compute_dtype="float32", pack_sequences=setting), temperature=1.0,
+                          max_staleness=0, seed=0)
+    assert make(_model(tok), None).packed and make(_model(tok), True).packed
+    assert not make(_model(tok), False).packed
+    assert not make(_leaky(tok), None).packed
+    assert "training padded rows" in caplog.text
+    with pytest.raises(ValueError, match=r"^trainer.pack_sequences: .* set trainer.pack_sequences=false"):
+        make(_leaky(tok), True)
