@@ -129,7 +129,11 @@ class TrainerConfig:
     world_size: int = 1  # trainer processes (fsdp, megatron backends)
     tensor_parallel: int = 1  # megatron: ranks that split each layer's tensors; data parallel over world_size / this
     megatron_spec: str = "auto"  # megatron layers: local (megatron-core's own) | te (Transformer Engine, GPU) | auto
-    pack_sequences: bool = False  # megatron on GPU with te: packed (THD) micro-batches instead of padded rows
+    # packed micro-batches: the trajectories of one back to back in one row (position ids restarting, attention
+    # block-diagonal), cut by tokens, not rows x longest. null = auto: single and fsdp pack (padded where the
+    # model fails the packing probe), megatron pads; true: pack or refuse (megatron: THD, GPU with te only);
+    # false: padded rows
+    pack_sequences: bool | None = None
     batch_size: int = 32  # B: trajectories per train step (a multiple of rollout.group_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -137,9 +141,9 @@ class TrainerConfig:
     eps_clip: float = 0.2  # PPO clip range
     behav_weight_cap: float = 5.0  # c: the behaviour weight pi_prox / pi_behav is cut at c (or masked: trainer.loss)
     minibatches: int = 1  # optimizer steps per train step (each on 1/minibatches of the batch)
-    micro_batch_tokens: int = 4096  # token budget of one forward/backward
-    # what one more forward/backward costs, in padded tokens: a batch is cut into more micro-batches
-    # where that saves more padding (a long-tailed batch padded to its longest response wastes most)
+    micro_batch_tokens: int = 4096  # token budget of one forward/backward (padded rows: rows x longest)
+    # what one more forward/backward costs, in tokens: padded rows are cut into more micro-batches where
+    # that saves more padding (a long-tailed batch padded to its longest response wastes most)
     micro_batch_overhead_tokens: int = 256
     # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
     # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)

@@ -4,10 +4,11 @@ and the time to publish a version from each.
 Every case trains the same fixed batches (8 prompts x 8 answers, prompts of 16-32 tokens,
 responses of 16-64, a tenth of response tokens masked out as tool output) on the same
 Llama-shaped model built from the seed (`--hidden`, `--layers`; 8 heads, 4 KV heads, vocabulary
-100), fp32, one minibatch, micro-batches of `--micro-tokens` padded tokens. Every process runs
-`--threads` torch threads (default 1: on a machine shared with other work, a multi-threaded
-process loses most of its time waiting for its slowest thread), so a 2-rank case uses twice the
-cores of a 1-process one; the table also gives tokens/s per process. A case
+100), fp32, one minibatch, micro-batches of `--micro-tokens` tokens (single and fsdp pack them,
+megatron pads them: `trainer.pack_sequences`; benchmarks/packing.py compares the two layouts).
+Every process runs `--threads` torch threads (default 1: on a machine shared with other work, a
+multi-threaded process loses most of its time waiting for its slowest thread), so a 2-rank case
+uses twice the cores of a 1-process one; the table also gives tokens/s per process. A case
 runs one warm-up step, then `--steps` timed steps: tokens/s is the trained (loss-mask) tokens
 over their wall time. Publish: the weights of a version gathered (and, for megatron, converted
 to HF names) and written by the `disk` publisher, as `async-rl run` publishes after each step;
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,21 +67,28 @@ def _config(args: argparse.Namespace, backend: str, world: int, tp: int) -> Conf
 
 
 def _groups(step: int) -> list[list[Trajectory]]:
-    rng = np.random.default_rng(1000 + step)
-    groups = []
-    for g in range(8):
+    return synthetic_groups(1000 + step, 8, lambda rng: int(rng.integers(16, 65)))
+
+
+def synthetic_groups(seed: int, groups: int, response_len: Callable[[np.random.Generator], int]) \
+        -> list[list[Trajectory]]:
+    """`groups` prompts of 16-32 tokens x 8 answers of `response_len(rng)` tokens over a vocabulary of 100,
+    a tenth of response tokens masked out as tool output, rewards 0/1, sampled by version 0."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
         prompt = rng.integers(3, 100, size=int(rng.integers(16, 33))).astype(np.int32)
         group = []
         for i in range(8):
-            r = int(rng.integers(16, 65))
+            r = response_len(rng)
             mask = (rng.random(r) > 0.1).astype(np.uint8)
             group.append(Trajectory(
-                id=f"s{step}g{g}i{i}", group_id=f"s{step}g{g}", prompt_ids=prompt,
+                id=f"s{seed}g{g}i{i}", group_id=f"s{seed}g{g}", prompt_ids=prompt,
                 response_ids=rng.integers(3, 100, size=r).astype(np.int32), loss_mask=mask,
                 behav_logprobs=np.where(mask, -rng.uniform(1.0, 5.0, size=r), 0.0).astype(np.float32),
                 versions=np.zeros(r, dtype=np.int32), reward=float(rng.random() > 0.5), finish_reason="stop"))
-        groups.append(group)
-    return groups
+        out.append(group)
+    return out
 
 
 def _rank_main(rank: int, world: int, cfg: Config, steps: int, threads: int, port: int, out: str,
@@ -166,7 +175,8 @@ def main() -> None:
     base = rows[0]["tokens_per_s"]
     lines = [f"Model: Llama-shaped, hidden {args.hidden}, {args.layers} layers, 8 heads / 4 KV heads, vocabulary 100, "
              f"fp32; 64 trajectories a step (~{rows[0]['tokens'] / args.steps:.0f} trained tokens), one minibatch, "
-             f"micro-batches of {args.micro_tokens} padded tokens; {args.steps} timed steps after one warm-up; "
+             f"micro-batches of {args.micro_tokens} tokens (single, fsdp: packed; megatron: padded rows x longest); "
+             f"{args.steps} timed steps after one warm-up; "
              f"{args.threads} torch thread(s) per process; median (min-max) of {args.repeats} rounds.", "",
              "| backend | processes | trained tokens/s | vs single | per process | publish (gather + disk) s |",
              "|---|---|---|---|---|---|"]

@@ -82,6 +82,9 @@ def _ones(log_w: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 WeightRule = Callable[[torch.Tensor, float], torch.Tensor]  # (log rho [B, T], cap) -> w [B, T]
+# a loss's stats: 0-dim tensors on the loss's device, so a micro-batch never waits for the device to
+# report them; the trainer reads them once per step (trainer/stats.py)
+Stats = dict[str, torch.Tensor]
 
 
 def _check(logprobs: torch.Tensor, others: dict[str, torch.Tensor | None]) -> None:
@@ -100,7 +103,7 @@ def _aggregation(loss_weights: torch.Tensor | None, mask: torch.Tensor, dtype: t
 def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.Tensor,
                  behav_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
                  eps_clip: float, behav_weight_cap: float,
-                 loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Stats]:
     if eps_clip <= 0:
         raise ValueError(f"eps_clip: must be > 0, got {eps_clip}")
     if behav_weight_cap <= 0:
@@ -124,15 +127,15 @@ def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.
     loss = -torch.where(mask, agg * weight * surrogate, zero).sum()
 
     with torch.no_grad():
-        raw_w = torch.exp(log_w.clamp(max=_STATS_MAX_LOG))
+        raw_w = torch.exp(log_w.clamp(max=_STATS_MAX_LOG))  # > 0, so 0 off the mask leaves the max alone
         stats = {
-            "clip_frac": float(((unclipped > clipped) & mask).sum() / n),
-            "ratio_mean": float(torch.where(mask, ratio, zero).sum() / n),
-            "approx_kl": float(torch.where(mask, (ratio - 1.0) - log_ratio, zero).sum() / n),
-            "behav_weight_mean": float(torch.where(mask, raw_w, zero).sum() / n),
-            "behav_weight_max": float(raw_w[mask].max()) if bool(mask.any()) else 0.0,
-            "behav_capped_frac": float(((log_w > math.log(behav_weight_cap)) & mask).sum() / n),
-            "behav_masked_frac": float(((weight == 0) & mask).sum() / n),
+            "clip_frac": ((unclipped > clipped) & mask).sum() / n,
+            "ratio_mean": torch.where(mask, ratio, zero).sum() / n,
+            "approx_kl": torch.where(mask, (ratio - 1.0) - log_ratio, zero).sum() / n,
+            "behav_weight_mean": torch.where(mask, raw_w, zero).sum() / n,
+            "behav_weight_max": torch.where(mask, raw_w, zero).max() if mask.numel() else zero,
+            "behav_capped_frac": ((log_w > math.log(behav_weight_cap)) & mask).sum() / n,
+            "behav_masked_frac": ((weight == 0) & mask).sum() / n,
         }
     return loss, stats
 
@@ -140,13 +143,13 @@ def _policy_loss(rule: WeightRule, logprobs: torch.Tensor, prox_logprobs: torch.
 def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                        advantages: torch.Tensor, loss_mask: torch.Tensor, *, eps_clip: float,
                        behav_weight_cap: float,
-                       loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                       loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Stats]:
     """Decoupled PPO with truncated importance sampling: w = min(pi_prox / pi_behav, cap).
 
     All tensors are [B, T]; only `logprobs` carries gradient. Positions where loss_mask
     is 0 contribute nothing (value or gradient), whatever the other tensors hold there.
     The loss is sum_t loss_weights_t * loss_t (default: a token mean over loss_mask).
-    Stats (plain floats, token means over loss_mask): clip_frac, ratio_mean, approx_kl (k3
+    Stats (0-dim tensors, token means over loss_mask): clip_frac, ratio_mean, approx_kl (k3
     estimate of KL(prox || theta)), behav_weight_mean / behav_weight_max (before the rule),
     behav_capped_frac (weight above the cap), behav_masked_frac (tokens the rule dropped).
     """
@@ -155,7 +158,7 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, beha
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: torch.Tensor,
-               loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+               loss_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, Stats]:
     """k3 estimate of KL(pi_theta || pi_ref) per token, exp(ref - theta) - (ref - theta) - 1
     (non-negative, unbiased on tokens pi_theta sampled; GRPO's KL term), summed with
     `loss_weights` (default: a token mean over loss_mask). Gradient through `logprobs` only.
@@ -169,31 +172,32 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, loss_mask: to
     k3 = torch.exp(d) - d - 1.0  # [B, T]
     agg = _aggregation(loss_weights, mask, logprobs.dtype)
     loss = torch.where(mask, agg * k3, zero).sum()
-    return loss, {"ref_kl": float(torch.where(mask, k3, zero).detach().sum() / n)}
+    return loss, {"ref_kl": torch.where(mask, k3, zero).detach().sum() / n}
 
 
 def logprob_mismatch(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, versions: torch.Tensor,
-                     loss_mask: torch.Tensor, version: int) -> tuple[dict[str, float], int]:
+                     loss_mask: torch.Tensor, version: int) -> tuple[Stats, torch.Tensor]:
     """Engine vs trainer log-probs of the trained tokens that `version` sampled, `prox_logprobs`
     being the trainer's under that same version's weights: (stats, tokens measured).
 
     With d = prox - behav = log(pi_trainer / pi_engine) per token: logprob_mismatch_mean (mean
     |d|), logprob_mismatch_max (max |d|), logprob_mismatch_kl (k3 estimate of KL(engine ||
     trainer), mean of exp(d) - 1 - d, unbiased since the engine sampled the tokens). All [B, T]
-    inputs; tokens of other versions (staleness, not mismatch) are left out.
+    inputs; tokens of other versions (staleness, not mismatch) are left out. The stats and the
+    count are 0-dim tensors (read once per step, not per micro-batch).
     """
-    mask = loss_mask.bool()
-    same = mask & (versions == version)
-    n = int(same.sum())
+    same = loss_mask.bool() & (versions == version)
+    n = same.sum()
     with torch.no_grad():
-        d = (prox_logprobs.detach() - behav_logprobs).to(torch.float64)[same]
-        stats = {"logprob_mismatch_mean": float(d.abs().mean()) if n else 0.0,
-                 "logprob_mismatch_max": float(d.abs().max()) if n else 0.0,
-                 "logprob_mismatch_kl": float((torch.exp(d.clamp(max=_STATS_MAX_LOG)) - 1 - d).mean()) if n else 0.0}
+        d = torch.where(same, (prox_logprobs.detach() - behav_logprobs).to(torch.float64), 0.0)  # 0 off `same`
+        k3 = torch.exp(d.clamp(max=_STATS_MAX_LOG)) - 1 - d  # 0 where d is 0
+        stats = {"logprob_mismatch_mean": d.abs().sum() / n.clamp(min=1),
+                 "logprob_mismatch_max": d.abs().max() if d.numel() else d.sum(),
+                 "logprob_mismatch_kl": k3.sum() / n.clamp(min=1)}
     return stats, n
 
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[..., tuple[torch.Tensor, Stats]]
 
 # Variants by name (`trainer.loss`); each takes the arguments of `decoupled_ppo_loss`.
 LOSSES: dict[str, LossFn] = {"decoupled_ppo": decoupled_ppo_loss, "masked_is": partial(_policy_loss, _mask_above),

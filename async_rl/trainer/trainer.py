@@ -10,7 +10,10 @@ versions older than `policy_version`, (2) computes group-relative advantages, (3
 recomputes proximal log-probs with the current weights, (4) takes `cfg.minibatches`
 AdamW steps on the policy loss (`cfg.loss`, its token terms added up as `cfg.loss_agg` says
 over the minibatch), each accumulating gradients over micro-batches of at most
-`cfg.micro_batch_tokens` padded tokens, and (5) advances `policy_version`.
+`cfg.micro_batch_tokens` tokens (packed rows, `cfg.pack_sequences`; padded: rows x longest),
+and (5) advances `policy_version`. A micro-batch's stats stay on the device until the step
+ends (trainer/stats.py): the host waits for the device once per optimizer step (the gradient
+norm), not per micro-batch.
 A trajectory sampled (in part) by weights NEWER than `policy_version` comes from a future a
 resume threw away (the trainer went back to a checkpoint): it is dropped too, and counted
 (`train/dropped_future`). A batch whose every trajectory is dropped is not a train step: nothing is updated, the
@@ -27,7 +30,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,14 +38,19 @@ import torch
 
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
-from async_rl.trainer.batching import Batch, collate, micro_batches, token_logprobs
+from async_rl.trainer.batching import Batch, collate, trained_tokens
+from async_rl.trainer.logprobs import packing_error, token_logprobs
 from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
-from async_rl.trainer.stats import StatsAccumulator
+from async_rl.trainer.plan import Minibatch, Share, plan_minibatch, score_mask
+from async_rl.trainer.stats import StatsAccumulator, arrival_stats, staleness_stats, version_stats
 from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_dtype
 from async_rl.utils.weights import WeightSource
 
 logger = logging.getLogger(__name__)
+
+# probe log-probs packed vs padded: float noise is ~1e-6, sequences that see each other ~0.1 (logprobs.py)
+_PACKING_TOL = 1e-3
 
 # reported when a step has nothing to train on, so every step logs the same keys
 _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 1.0,
@@ -68,6 +76,8 @@ def split_by_age(trajs: list[Trajectory], policy_version: int,
 class PPOTrainer:
     """Decoupled PPO on an HF causal LM; `policy_version` is the version of the current weights."""
 
+    can_pack = True  # micro-batches may be packed rows (a backend whose model cannot take them says False)
+
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, temperature: float, max_staleness: int,
                  seed: int, policy_version: int = 0, loss: str | None = None):
         if max_staleness < 0:
@@ -92,6 +102,7 @@ class PPOTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
         self.hf_export = None  # set by a backend: makes each checkpoint a Hugging Face model directory
+        self.packed = self.can_pack and cfg.pack_sequences is not False and self._packing_holds(cfg.pack_sequences)
 
     # ------------------------------------------------------------------ public
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
@@ -99,10 +110,10 @@ class PPOTrainer:
         t0 = time.perf_counter()
         trajs = [t for g in groups for t in g]
         kept, stale, future = split_by_age(trajs, self.policy_version, self.max_staleness)
-        stats = self._batch_stats(trajs, kept)
+        stats = arrival_stats(trajs, kept)
         stats["train/dropped_stale"] = float(len(stale))
         stats["train/dropped_future"] = float(len(future))
-        stats.update(self._version_stats(trajs))
+        stats.update(version_stats(trajs, self.policy_version, self.max_staleness))
         if not kept:
             logger.warning("batch of %d trajectories dropped whole at version %d: %d sampled more than %d versions "
                            "before, %d by newer weights than these -- no train step, the version stays",
@@ -146,50 +157,33 @@ class PPOTrainer:
         return out
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _batch_stats(trajs: list[Trajectory], kept: list[Trajectory]) -> dict[str, float]:
-        """What the batch looked like on arrival (rewards and lengths of everything received)."""
-        rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-        lengths = [len(t.response_ids) for t in trajs]
-        agent: dict[str, list[float]] = {}  # per-episode agent metrics (tool calls, turns, ...): batch means
-        for t in trajs:
-            for key, value in t.info.items():
-                if key.startswith("agent/") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    agent.setdefault(key, []).append(float(value))
-        return {
-            **{f"rollout/{key}": float(np.mean(vals)) for key, vals in agent.items()},
-            "train/reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
-            "train/reward_std": float(rewards.std()) if len(trajs) else 0.0,
-            "train/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
-            "train/response_lens": lengths,  # every arrival's length: the simulator's length distribution
-            "train/prompt_len_mean": float(np.mean([len(t.prompt_ids) for t in trajs])) if trajs else 0.0,
-            "train/batch_tokens": float(sum(len(t.prompt_ids) + len(t.response_ids) for t in kept)),
-            "train/num_trajectories": float(len(kept)),
-            "rollout/interrupted": float(sum(1 for t in trajs if t.num_interruptions > 0)),
-        }
+    def _packing_holds(self, setting: bool | None) -> bool:
+        """Whether this model scores packed rows as it scores padded ones (a probe through `_score`, the
+        forward the trainer uses): trainer.pack_sequences=true requires it, null (auto) falls back to padded."""
+        vocab = next(m.num_embeddings for m in self.model.modules() if isinstance(m, torch.nn.Embedding))
+        dev = self.device
 
-    def _version_stats(self, trajs: list[Trajectory]) -> dict[str, Any]:
-        """How old each arriving trajectory is (lag of its oldest sampled token, a histogram over
-        0..max_staleness and beyond; newer than the weights counts in dropped_future, not here) and
-        how many policy versions sampled its tokens."""
-        hist = [0] * (self.max_staleness + 2)  # the last bin counts anything older than the bound
-        mixed = []
-        for t in trajs:
-            sampled = t.versions[t.loss_mask.astype(bool)]
-            if len(sampled) and int(sampled.max()) <= self.policy_version:
-                hist[min(self.policy_version - int(sampled.min()), self.max_staleness + 1)] += 1
-                mixed.append(len(np.unique(sampled)))
-        return {"train/staleness_hist": hist,
-                "train/versions_per_traj_mean": float(np.mean(mixed)) if mixed else 0.0,
-                "train/versions_per_traj_max": float(max(mixed)) if mixed else 0.0}
+        def score(ids, mask, pos):
+            return self._score(ids.to(dev), None if mask is None else mask.to(dev),
+                               None if pos is None else pos.to(dev), None)
+        gap = packing_error(score, vocab)
+        if gap <= _PACKING_TOL:
+            return True
+        why = (f"trainer.pack_sequences: {type(self.model).__name__} scores two probe sequences packed in one row "
+               f"{gap:.2g} away from the same sequences as padded rows (its attention lets packed sequences see "
+               "each other)")
+        if setting:
+            raise ValueError(f"{why}; set trainer.pack_sequences=false")
+        logger.warning("%s: training padded rows", why)
+        return False
 
     def _update(self, trajs: list[Trajectory]) -> dict[str, float]:
         adv = self.advantage_fn(trajs, self.cfg)  # [N], or [N, trained tokens] (trainer.advantage)
-        minibatches = self._split(trajs, adv)
-        stats = self._staleness(minibatches)
-        return {**_NO_UPDATE, **stats, **self._optimize(self._shares(minibatches))}
+        plans = self._plan(trajs)
+        stats = staleness_stats(trajs, self.policy_version)
+        return {**_NO_UPDATE, **stats, **self._optimize(self._shares(trajs, adv, plans))}
 
-    def _optimize(self, shares: list["Share"]) -> dict[str, float]:
+    def _optimize(self, shares: list[Share]) -> dict[str, float]:
         """One optimizer step per minibatch over this process's share of it (every rank runs this)."""
         prox = self._prox_logprobs(shares) if len(shares) > 1 else None
         ref = self._ref_logprobs(shares) if self.ref_model is not None else None
@@ -202,7 +196,7 @@ class PPOTrainer:
                     continue
                 self.optimizer.zero_grad(set_to_none=True)
                 for k, batch in enumerate(share.micros):
-                    self._accumulate(batch, prox[m][k] if prox is not None else None,
+                    self._accumulate(batch, share.tokens[k], prox[m][k] if prox is not None else None,
                                      ref[m][k] if ref is not None else None, acc)
                 norm = self._clip_grads()
                 acc.add_grad_norm(norm)
@@ -220,9 +214,10 @@ class PPOTrainer:
         stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
         return stats
 
-    def _accumulate(self, batch: Batch, prox: torch.Tensor | None, ref: torch.Tensor | None,
+    def _accumulate(self, batch: Batch, tokens: int, prox: torch.Tensor | None, ref: torch.Tensor | None,
                     acc: StatsAccumulator) -> None:
-        """Forward + backward of one micro-batch; its loss is its part of the minibatch's (batch.loss_weights)."""
+        """Forward + backward of one micro-batch of `tokens` trained tokens; its loss is its part of the
+        minibatch's (batch.loss_weights). Its stats stay tensors: nothing here waits for the device."""
         logprobs = self._logprobs(batch)  # [B, L-1]
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
         prox_lp = logprobs.detach() if prox is None else prox
@@ -234,26 +229,40 @@ class PPOTrainer:
             loss = loss + self.cfg.kl_coef * kl
             s.update(kl_stats)
         loss.backward()
-        acc.add(s, batch.num_tokens)
-        acc.add_total("loss", float(loss.detach()))
+        acc.add(s, tokens)
+        acc.add_total("loss", loss.detach())
         # tokens the current weights sampled: prox_lp is the trainer's view of those very weights
         mismatch, measured = logprob_mismatch(prox_lp, batch.behav_logprobs, batch.versions, batch.loss_mask,
                                               self.policy_version)
         acc.add(mismatch, measured)
-        acc.add({"logprob_mismatch_frac": measured / max(1, batch.num_tokens)}, batch.num_tokens)
+        acc.add({"logprob_mismatch_frac": measured / max(1, tokens)}, tokens)
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, L-1] log-probs of the batch's trained tokens under the current weights."""
         with self._autocast():
-            return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.temperature,
-                                  score_mask=score_mask(batch))
+            return self._score(batch.input_ids, *self._layout(batch), score_mask(batch))
+
+    def _layout(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention_mask, position_ids) of `token_logprobs`: packed rows pass only the positions."""
+        return (None, batch.position_ids) if self.packed else (batch.attention_mask, None)
+
+    def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+               score: torch.Tensor | None) -> torch.Tensor:
+        """The policy's forward: `token_logprobs` (a sharded backend runs its root module instead)."""
+        return token_logprobs(self.model, input_ids, attention_mask, self.temperature, score_mask=score,
+                              position_ids=position_ids)
 
     # Seams for data-parallel backends (trainer/backends/): which micro-batches this process
     # runs, and how its token-weighted stats combine with the other processes'.
-    def _shares(self, minibatches: list[list[Batch]]) -> list["Share"]:
+    def _shares(self, trajs: list[Trajectory], adv: torch.Tensor, plans: list[Minibatch]) -> list[Share]:
         """What this process runs of each minibatch (a data-parallel backend sends the other ranks theirs)."""
-        return [Share(total=sum(b.num_tokens for b in micros), micros=[b for b in micros if b.num_tokens])
-                for micros in minibatches]
+        return [Share(total=mb.tokens, micros=[self._collate(trajs, adv, mb, idx).to(self.device) for idx in mb.micros],
+                      tokens=[sum(trained_tokens(trajs[i]) for i in idx) for idx in mb.micros]) for mb in plans]
+
+    def _collate(self, trajs: list[Trajectory], adv: torch.Tensor, mb: Minibatch, index: list[int]) -> Batch:
+        """`trajs[i] for i in index` as one micro-batch of minibatch `mb`, in this trainer's layout, on the CPU."""
+        agg = partial(self.loss_agg, tokens=mb.tokens, seqs=mb.seqs, norm_tokens=self.cfg.loss_agg_tokens)
+        return collate(trajs, adv, index, packed=self.packed, loss_agg=agg)
 
     def _stats_result(self, acc: StatsAccumulator) -> dict[str, float]:
         return acc.result()
@@ -268,42 +277,28 @@ class PPOTrainer:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
-    def _split(self, trajs: list[Trajectory], adv: torch.Tensor) -> list[list[Batch]]:
-        """Minibatches (a seeded random split of the trajectories), each a list of micro-batches."""
+    def _plan(self, trajs: list[Trajectory]) -> list[Minibatch]:
+        """Minibatches (a seeded random split of the trajectories), each cut into micro-batches."""
         n = min(self.cfg.minibatches, len(trajs))
         order = self._rng.permutation(len(trajs)) if n > 1 else np.arange(len(trajs))
-        out = []
-        for chunk in np.array_split(order, n):
-            sub = [trajs[i] for i in chunk]
-            micros = [collate(trajs, adv, [int(chunk[j]) for j in idx])
-                      for idx in micro_batches(sub, self.cfg.micro_batch_tokens, self.cfg.micro_batch_overhead_tokens)]
-            tokens = sum(b.num_tokens for b in micros)
-            seqs = sum(int((b.loss_mask.sum(dim=1) > 0).sum()) for b in micros)  # sequences with a trained token
-            for b in micros:  # each token's weight in this minibatch's loss (trainer.loss_agg)
-                b.loss_weights = self.loss_agg(b.loss_mask, tokens=tokens, seqs=seqs, norm_tokens=self.cfg.loss_agg_tokens)
-            out.append([b.to(self.device) for b in micros])
-        return out
-
-    def _staleness(self, minibatches: list[list[Batch]]) -> dict[str, float]:
-        """How many versions behind the current weights each trained token was sampled."""
-        lags = [(self.policy_version - b.versions[b.loss_mask.bool()]).float().cpu()
-                for micros in minibatches for b in micros]
-        lag = torch.cat(lags) if lags else torch.zeros(0)
-        return {"train/staleness_max": float(lag.max()) if lag.numel() else 0.0,
-                "train/staleness_mean": float(lag.mean()) if lag.numel() else 0.0,
-                "train/num_tokens": float(lag.numel())}
+        return [plan_minibatch(trajs, [int(i) for i in chunk], self.cfg.micro_batch_tokens,
+                               self.cfg.micro_batch_overhead_tokens, packed=self.packed)
+                for chunk in np.array_split(order, n)]
 
     @torch.no_grad()
-    def _prox_logprobs(self, shares: list["Share"]) -> list[list[torch.Tensor]]:
+    def _prox_logprobs(self, shares: list[Share]) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the weights at the start of the step."""
         return [[self._logprobs(b) for b in share.micros] for share in shares]
 
     @torch.no_grad()
-    def _ref_logprobs(self, shares: list["Share"]) -> list[list[torch.Tensor]]:
+    def _ref_logprobs(self, shares: list[Share]) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the reference weights (trainer.kl_coef)."""
+        def score(b: Batch) -> torch.Tensor:
+            mask, positions = self._layout(b)
+            return token_logprobs(self.ref_model, b.input_ids, mask, self.temperature, score_mask=score_mask(b),
+                                  position_ids=positions)
         with self._autocast():
-            return [[token_logprobs(self.ref_model, b.input_ids, b.attention_mask, self.temperature,
-                                    score_mask=score_mask(b)) for b in share.micros] for share in shares]
+            return [[score(b) for b in share.micros] for share in shares]
 
     def _frozen_copy(self, model: torch.nn.Module) -> torch.nn.Module:
         """A copy of `model` that never trains, in the compute dtype: one more model in memory (half
@@ -313,21 +308,3 @@ class PPOTrainer:
             p.requires_grad_(False)
         return ref
 
-
-@dataclass(slots=True)
-class Share:
-    """A process's part of one minibatch: its micro-batches (each token weighted by its part of the
-    minibatch's loss, `Batch.loss_weights`), and the minibatch's trained-token count (0: no step)."""
-
-    total: int
-    micros: list[Batch]
-
-
-def score_mask(batch: Batch) -> torch.Tensor:
-    """[B, L-1] positions to compute log-probs at: the trained tokens. A share with none (a data-parallel
-    rank's idle row, weighted 0) scores one position, so the backward still reaches every weight."""
-    if batch.num_tokens:
-        return batch.loss_mask
-    mask = torch.zeros_like(batch.loss_mask)
-    mask[0, 0] = 1.0
-    return mask

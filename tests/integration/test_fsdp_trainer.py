@@ -234,7 +234,9 @@ def _follower(cfg: Config, port: int, errors, received: str) -> None:
 
     def recording(device, _recv=spmd.recv_shares):
         shares = _recv(device)
-        rows = None if shares is None else [[int(b.batch_size[0]) for b in s.micros] for s in shares]
+        # per micro-batch: (rows, trajectories); a packed row holds several, each starting at position 0
+        rows = None if shares is None else [[(int(b.batch_size[0]), int((b.position_ids == 0).sum())) for b in s.micros]
+                                            for s in shares]
         with open(received, "a") as f:
             f.write(json.dumps(rows) + "\n")
         return shares
@@ -277,9 +279,9 @@ def test_follower_leaves_when_rank0_dies(tmp_path):
     # train_step x2, state_dict, weights x3, state_dict: command names only, never the data
     assert [keys for _, keys in frames] == [["op"]] * 7
     assert max(size for size, _ in frames) < 64, frames
-    # step 0: one micro-batch of 16 rows, rank 1 holds rows 1, 3, ..., 15; step 1 trained nothing
+    # step 0: one micro-batch of 16 trajectories, rank 1 holds 1, 3, ..., 15 packed in one row; step 1 trained nothing
     got = [json.loads(line) for line in received.read_text().splitlines()]
-    assert got == [[[8]], None], got
+    assert got == [[[[1, 8]]], None], got
 
 
 # ---------------------------------------------------------------------------------------- CUDA (NCCL)
@@ -311,15 +313,16 @@ def _exchange_rank(rank: int, port: int, out: str, errors) -> None:
     """Rank 0 sends three steps' shares (rows; trajectories with nothing trained; rows again), rank 1 receives."""
     from async_rl.trainer.backends.spmd import recv_shares, send_shares
     from async_rl.trainer.batching import collate
-    from async_rl.trainer.trainer import Share
+    from async_rl.trainer.plan import Share
 
     try:
         store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=False)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
         trajs = [t for g in _groups(0) for t in g][:4]
         batch = collate(trajs, torch.ones(4), [0, 1, 2, 3])
-        steps = [[Share(total=batch.num_tokens, micros=[batch])], [Share(total=0, micros=[])],
-                 [Share(total=batch.num_tokens, micros=[batch[1:3]])]]
+        steps = [[Share(total=batch.num_tokens, micros=[batch], tokens=[batch.num_tokens])],
+                 [Share(total=0, micros=[], tokens=[])],
+                 [Share(total=batch.num_tokens, micros=[batch[1:3]], tokens=[batch[1:3].num_tokens])]]
         if rank == 0:
             for shares in steps:
                 send_shares(shares, 1, torch.device("cpu"))
@@ -327,6 +330,7 @@ def _exchange_rank(rank: int, port: int, out: str, errors) -> None:
             got = [recv_shares(torch.device("cpu")) for _ in steps]
             for want, have in zip(steps, got):
                 assert [s.total for s in have] == [s.total for s in want]
+                assert [s.tokens for s in have] == [s.tokens for s in want]
                 for a, b in zip(want, have):
                     assert len(a.micros) == len(b.micros)
                     for x, y in zip(a.micros, b.micros):

@@ -39,7 +39,8 @@ def _gpu_main(case: str, port: int, out: str, errors) -> None:
         trainer = get_backend("megatron").build(_te_cfg(pack_sequences=case == "packed"), RankInfo(0, 1, store))
         result = {}
         if case == "packed":
-            batch = trainer._split([t for g in _groups(0) for t in g], torch.zeros(16))[0][0]
+            trajs = [t for g in _groups(0) for t in g]
+            batch = trainer._shares(trajs, torch.zeros(16), trainer._plan(trajs))[0].micros[0]
             with torch.no_grad():
                 packed = trainer._logprobs(batch)
                 trainer.model.packed = False

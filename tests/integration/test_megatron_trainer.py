@@ -74,7 +74,7 @@ def _train(trainer, rank: int, steps: range, out: dict, ckpt: Path | None = None
 def _logprob_errors() -> dict:
     """|HF - GPTModel| log-probs through the right layout and a wrong one, and the round trip (TP=1)."""
     from async_rl.trainer.backends.megatron_model import MegatronPolicy, build_gpt
-    from async_rl.trainer.batching import token_logprobs
+    from async_rl.trainer.logprobs import token_logprobs
 
     result = {}
     for case in SHAPES:

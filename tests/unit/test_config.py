@@ -37,6 +37,7 @@ def test_overrides_apply_and_round_trip(tmp_path):
      "trainer.tensor_parallel: must divide trainer.world_size (3"),
     (["trainer.backend=megatron", "trainer.tensor_parallel=0"], "trainer.tensor_parallel: must be >= 1"),
     (["trainer.backend=megatron", "trainer.megatron_spec=fast"], "trainer.megatron_spec: must be one of auto|local|te"),
+    (["trainer.pack_sequences=auto"], "trainer.pack_sequences"),  # null is auto
 ])
 def test_bad_overrides_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as info:

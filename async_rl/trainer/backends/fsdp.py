@@ -40,9 +40,8 @@ from async_rl.trainer.backends import RankInfo, train_staleness, trainer_config
 from async_rl.trainer.backends.gather import gather_optimizer_state, gather_state_dict, gathered_weights
 from async_rl.trainer.backends.scatter import load_sharded
 from async_rl.trainer.backends.spmd import SPMDTrainer, check_ranks, join_group
-from async_rl.trainer.batching import Batch, token_logprobs
 from async_rl.trainer.checkpoint import hf_exporter, save_checkpoint
-from async_rl.trainer.trainer import score_mask
+from async_rl.trainer.logprobs import token_logprobs
 from async_rl.utils.weights import WeightSource
 
 logger = logging.getLogger(__name__)
@@ -55,9 +54,10 @@ class LogprobModel(torch.nn.Module):
         self.lm = lm
         self.temperature = temperature
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                score_mask: torch.Tensor) -> torch.Tensor:
-        return token_logprobs(self.lm, input_ids, attention_mask, self.temperature, score_mask=score_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, score_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return token_logprobs(self.lm, input_ids, attention_mask, self.temperature, score_mask=score_mask,
+                              position_ids=position_ids)
 
 
 class FSDPTrainer(SPMDTrainer):
@@ -102,9 +102,9 @@ class FSDPTrainer(SPMDTrainer):
         return load_sharded(path, self.model.lm, self.optimizer)
 
     # ------------------------------------------------------------------ PPOTrainer seams
-    def _logprobs(self, batch: Batch) -> torch.Tensor:
-        with self._autocast():
-            return self.model(batch.input_ids, batch.attention_mask, score_mask(batch))
+    def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+               score: torch.Tensor | None) -> torch.Tensor:
+        return self.model(input_ids, attention_mask, score, position_ids)
 
     def _clip_grads(self) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")

@@ -26,7 +26,13 @@ publishers and checkpoints are the ones every backend shares; what differs:
 
 CPU: the shims of megatron_cpu.py, fp32 only (bf16 under CPU autocast fails in megatron's
 backward), padded rows. GPU only, refused on CPU: `trainer.megatron_spec=te`, bf16 compute,
-`trainer.pack_sequences` (THD needs Transformer Engine).
+`trainer.pack_sequences=true` (THD needs Transformer Engine).
+
+Micro-batches stay padded rows here whatever `trainer.pack_sequences` says (`can_pack`), cut by
+rows x longest: megatron's GPTModel takes no position ids that restart per sequence (its RoPE
+counts columns, megatron_model.py), so the packed layout of the other backends would let the
+sequences of a row see each other. `trainer.pack_sequences=true` (GPU, TE) packs inside the
+forward instead (THD with cu_seqlens); null (auto) keeps padded rows on this backend.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from async_rl.trainer.backends.scatter import read_meta
 from async_rl.trainer.backends.spmd import SPMDTrainer, check_ranks, join_group
 from async_rl.trainer.batching import Batch
 from async_rl.trainer.checkpoint import HFTensors, TensorStream, hf_exporter, save_checkpoint
-from async_rl.trainer.trainer import score_mask
+from async_rl.trainer.plan import score_mask
 from async_rl.utils.hardware import DtypeChoice, resolve_dtype
 from async_rl.utils.weights import WeightSource
 
@@ -64,6 +70,8 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state, saved in HF
 
 class MegatronTrainer(SPMDTrainer):
     """PPOTrainer over a tensor- and data-parallel GPTModel; see the module docstring."""
+
+    can_pack = False  # padded rows; trainer.pack_sequences=true packs in the forward (THD), see above
 
     def __init__(self, policy: MegatronPolicy, cfg: TrainerConfig, shape: LlamaShape, layout: list[Param],
                  **kwargs: Any):
@@ -329,7 +337,7 @@ def build(cfg: Config, rank: RankInfo) -> MegatronTrainer:
     with hf.tensors as get:
         load_shards(layout, named, get, ps.get_tensor_model_parallel_rank(), tp, shape)
     hf_config, hf = hf.config, None  # the HF weights go now: only this rank's shards stay
-    policy = MegatronPolicy(gpt, cfg.rollout.temperature, packed=cfg.trainer.pack_sequences)
+    policy = MegatronPolicy(gpt, cfg.rollout.temperature, packed=bool(cfg.trainer.pack_sequences))
     trainer = MegatronTrainer(policy, trainer_config(cfg), shape, layout, temperature=cfg.rollout.temperature,
                               max_staleness=train_staleness(cfg), seed=cfg.seed)
     logger.info("megatron rank %d/%d on %s: TP rank %d/%d, DP rank %d/%d, %s spec", rank.rank, rank.world_size,

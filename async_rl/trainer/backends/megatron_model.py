@@ -2,10 +2,10 @@
 
     gpt = build_gpt(shape, tp=2, te=False, device)             # after parallel_state is initialised
     policy = MegatronPolicy(gpt, temperature=1.0)
-    logprobs = policy(input_ids, attention_mask, score_mask)   # [B, L-1], as batching.token_logprobs
+    logprobs = policy(input_ids, attention_mask, score_mask)   # [B, L-1], as logprobs.token_logprobs
 
 The policy runs the embedding and the decoder, then applies the LM head only at the scored
-positions, a chunk at a time (batching.chunked_logprobs): each tensor-parallel rank
+positions, a chunk at a time (logprobs.chunked_logprobs): each tensor-parallel rank
 multiplies by its vocabulary shard of the head and megatron's `vocab_parallel_cross_entropy`
 combines the shards' max and sum-exp, so no rank ever holds a full-vocabulary row. The
 hidden state enters the head through `copy_to_tensor_model_parallel_region` (identity
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from async_rl.trainer.backends.megatron_cpu import causal_mask
 from async_rl.trainer.backends.megatron_layout import LlamaShape
-from async_rl.trainer.batching import chunked_logprobs
+from async_rl.trainer.logprobs import chunked_logprobs
 
 
 def build_gpt(shape: LlamaShape, tp: int, te: bool, device: torch.device) -> torch.nn.Module:

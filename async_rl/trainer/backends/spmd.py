@@ -4,15 +4,16 @@ its rows over the process group, and every rank runs the same optimizer steps on
     stats = trainer.train_step(groups)     # rank 0: filter, advantages, minibatches; sends the shares
     trainer.follow_train_step()            # ranks 1..N-1, in lock step: receive this rank's share, train
 
-Rank 0 alone sees the trajectories. It builds the minibatches and micro-batches (its RNG
-draws the split), cuts every micro-batch into data-parallel row shares (rows d, d+D, d+2D,
-... for data-parallel rank d of D) and sends each follower its shares as one TensorDict
-over the trainer's process group (gloo on CPU, NCCL on CUDA), after a small int64 header
-with their shapes. Ranks that hold the same rows (the tensor-parallel peers of a megatron
-data-parallel rank) get the same share. Nothing of the batch goes through the rendezvous
-store: it carries only the command names (launch/trainer_ranks.py).
+Rank 0 alone sees the trajectories. It plans the minibatches and micro-batches (its RNG
+draws the split), gives data-parallel rank d of D the trajectories d, d+D, d+2D, ... of every
+micro-batch, collated in the trainer's layout (padded rows, or one packed row per share), and
+sends each follower its shares as one TensorDict over the trainer's process group (gloo on
+CPU, NCCL on CUDA), after a small int64 header with their shapes and trained-token counts.
+Ranks that hold the same rows (the tensor-parallel peers of a megatron data-parallel rank)
+get the same share. Nothing of the batch goes through the rendezvous store: it carries only
+the command names (launch/trainer_ranks.py).
 
-A rank whose share of a micro-batch is empty gets one row of it with no trained token
+A rank whose share of a micro-batch is empty gets its first trajectory with no trained token
 (weight 0), so every rank runs every micro-batch's forward and backward: FSDP's
 collectives stay in lock step, and every rank's stats have the same keys.
 """
@@ -31,32 +32,17 @@ from tensordict import TensorDict
 
 from async_rl.config import Config, TrainerConfig
 from async_rl.trainer.backends import RankInfo
-from async_rl.trainer.batching import Batch
+from async_rl.trainer.batching import Batch, trained_tokens
+from async_rl.trainer.plan import Minibatch, Share
 from async_rl.trainer.stats import StatsAccumulator
-from async_rl.trainer.trainer import PPOTrainer, Share
+from async_rl.trainer.trainer import PPOTrainer
+from async_rl.types import Trajectory
 from async_rl.utils.hardware import resolve_device
 
 logger = logging.getLogger(__name__)
 
 _SKIP = -1  # header of a step rank 0 did not train (every trajectory dropped): followers do not either
 _GLOO_DRAIN_S = 0.05  # see SPMDTrainer.close
-
-
-def row_share(micros: list[Batch], dp_rank: int, dp_size: int) -> list[Batch]:
-    """Rows dp_rank, dp_rank + dp_size, ... of every non-empty micro-batch; an idle row where that is none."""
-    out = []
-    for b in micros:
-        if not b.num_tokens:
-            continue
-        rows = torch.arange(dp_rank, b.batch_size[0], dp_size, device=b.device)
-        if len(rows):
-            out.append(b[rows])
-        else:
-            idle = b[:1].clone()
-            idle.loss_mask = torch.zeros_like(idle.loss_mask)
-            idle.loss_weights = torch.zeros_like(idle.loss_weights)
-            out.append(idle)
-    return out
 
 
 def _pack(shares: list[Share]) -> TensorDict:
@@ -73,12 +59,12 @@ def _has_rows(shares: list[Share] | None) -> bool:
 
 def _header(shares: list[Share] | None) -> torch.Tensor:
     """[n] int64: number of minibatches (or _SKIP), then per minibatch its token total, its micro-batch
-    count and each micro-batch's (rows, length)."""
+    count and each micro-batch's (rows, length, trained tokens)."""
     if shares is None:
         return torch.tensor([_SKIP])
     out = [len(shares)]
     for s in shares:
-        out += [s.total, len(s.micros)] + [d for b in s.micros for d in b.input_ids.shape]
+        out += [s.total, len(s.micros)] + [d for b, n in zip(s.micros, s.tokens) for d in (*b.input_ids.shape, n)]
     return torch.tensor(out)
 
 
@@ -103,15 +89,16 @@ def recv_shares(device: torch.device) -> list[Share] | None:
     shares, i = [], 1
     for _ in range(h[0]):
         total, n = h[i], h[i + 1]
-        dims = h[i + 2:i + 2 + 2 * n]
-        shares.append(Share(total=total, micros=[Batch.empty(dims[2 * k], dims[2 * k + 1], device) for k in range(n)]))
-        i += 2 + 2 * n
+        dims = h[i + 2:i + 2 + 3 * n]
+        shares.append(Share(total=total, micros=[Batch.empty(dims[3 * k], dims[3 * k + 1], device) for k in range(n)],
+                            tokens=dims[2::3]))
+        i += 2 + 3 * n
     if not _has_rows(shares):
         return shares
     td = _pack(shares).consolidate(metadata=True)
     td.recv(0, consolidated=True)
-    return [Share(total=s.total, micros=[Batch.from_tensordict(td[f"m{m}_{k}"]) for k in range(len(s.micros))])
-            for m, s in enumerate(shares)]
+    return [Share(total=s.total, micros=[Batch.from_tensordict(td[f"m{m}_{k}"]) for k in range(len(s.micros))],
+                  tokens=s.tokens) for m, s in enumerate(shares)]
 
 
 class SPMDTrainer(PPOTrainer):
@@ -144,13 +131,26 @@ class SPMDTrainer(PPOTrainer):
         self.policy_version += 1
         return stats
 
-    def _shares(self, minibatches: list[list[Batch]]) -> list[Share]:
+    def _shares(self, trajs: list[Trajectory], adv: torch.Tensor, plans: list[Minibatch]) -> list[Share]:
         """Every data-parallel rank's rows of each minibatch: sent to the followers, rank 0's kept."""
-        per_dp = [[Share(total=sum(b.num_tokens for b in micros), micros=row_share(micros, d, self.dp_size))
-                   for micros in minibatches] for d in range(self.dp_size)]
+        per_dp = [[self._rank_share(trajs, adv, mb, d) for mb in plans] for d in range(self.dp_size)]
         for r in range(1, self.world_size):
             send_shares(per_dp[self.dp_rank_of(r)], r, self.device)
         return per_dp[self.dp_rank_of(self.rank)]
+
+    def _rank_share(self, trajs: list[Trajectory], adv: torch.Tensor, mb: Minibatch, dp_rank: int) -> Share:
+        """Trajectories dp_rank, dp_rank + D, ... of every micro-batch of `mb`, collated; where that is none,
+        its first trajectory with nothing trained (weight 0)."""
+        micros, tokens = [], []
+        for index in mb.micros:
+            rows = index[dp_rank::self.dp_size]
+            batch = self._collate(trajs, adv, mb, rows or index[:1])
+            if not rows:
+                batch.loss_mask = torch.zeros_like(batch.loss_mask)
+                batch.loss_weights = torch.zeros_like(batch.loss_weights)
+            micros.append(batch.to(self.device))
+            tokens.append(sum(trained_tokens(trajs[i]) for i in rows))
+        return Share(total=mb.tokens, micros=micros, tokens=tokens)
 
     def _load_shard(self, path: str) -> dict[str, Any]:
         """This rank's part of the checkpoint at `path` (weights, optimizer state); returns its meta."""
@@ -196,6 +196,7 @@ class SPMDTrainer(PPOTrainer):
     def _stats_result(self, acc: StatsAccumulator) -> dict[str, float]:
         """Weighted sums, their weights, totals and maxima of the data-parallel ranks combined; all ran the
         same stat keys (the gradient norms are already global)."""
+        acc.read()
         keys, total_keys, max_keys = sorted(acc.sums), sorted(acc.totals), sorted(acc.maxes)
         sums = torch.tensor([acc.sums[k] for k in keys] + [acc.weights[k] for k in keys]
                             + [acc.totals[k] for k in total_keys] + [0.0], dtype=torch.float64, device=self.device)
