@@ -64,11 +64,12 @@ def _config(run_dir: Path) -> dict:
     return yaml.safe_load((run_dir / "config.yaml").read_text())
 
 
-def summary(values: list[float | None]) -> str:
+def summary(values: list[float | None], unit: str = "") -> str:
     got = [v for v in values if v is not None]
     if not got:
-        return "not reached"
-    cell = f"{statistics.median(got):.3g} ({min(got):.3g}-{max(got):.3g})" if len(got) > 1 else f"{got[0]:.3g}"
+        return f"not reached in {len(values)} runs"
+    cell = (f"{statistics.median(got):.3g}{unit} ({min(got):.3g}-{max(got):.3g})" if len(got) > 1
+            else f"{got[0]:.3g}{unit}")
     return cell + ("" if len(got) == len(values) else f", reached in {len(got)} of {len(values)}")
 
 
@@ -92,11 +93,11 @@ def main() -> None:
              "| make demo wall | steps | training wall clock | held-out accuracy before -> after | "
              + " | ".join(f"time to {t}" for t in targets) + " |",
              "|---|---|---|---|" + "---|" * len(targets),
-             f"| {summary([r['wall_s'] for r in runs])} s | {runs[0]['steps']} | "
-             f"{summary([r['train_wall_s'] for r in runs])} s | "
+             f"| {summary([r['wall_s'] for r in runs], ' s')} | {runs[0]['steps']} | "
+             f"{summary([r['train_wall_s'] for r in runs], ' s')} | "
              f"{summary([r['accuracy_before'] for r in runs])} -> {summary([r['accuracy_after'] for r in runs])} "
              f"on {runs[0]['eval_n']} problems | "
-             + " | ".join(f"{summary([r['time_to'][t] for r in runs])} s" for t in targets) + " |",
+             + " | ".join(summary([r['time_to'][t] for r in runs], " s") for t in targets) + " |",
              "", "Runs:", ""]
     lines += [f"- {json.dumps(r)}" for r in runs]
     path = write_results(name, "\n".join(lines), {"runs": runs})
