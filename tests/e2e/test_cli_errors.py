@@ -1,19 +1,16 @@
-"""The command line answers bad input with one clear line and exit code 2, never a traceback or a hang."""
+"""The command line answers bad input with one clear line and exit code 2, never a traceback or a hang.
+
+Input refused before any process starts is checked in this process (`cli_here`, the same `main`);
+`test_the_real_entry_point_refuses_each_kind_in_one_line` runs one case of each kind as a user does.
+"""
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
-
-
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+from tests.e2e.clitools import DEBUG, ROOT, cli, cli_here
 
 
 def assert_one_line_error(res: subprocess.CompletedProcess, needle: str) -> None:
@@ -33,7 +30,7 @@ def assert_one_line_error(res: subprocess.CompletedProcess, needle: str) -> None
     (["train", "--config", DEBUG], "transport.addr"),
 ])
 def test_config_mistakes(args, needle, tmp_path):
-    assert_one_line_error(cli(*args, f"run_dir={tmp_path}" if "nope" not in args[2] else "x=1"), needle)
+    assert_one_line_error(cli_here(*args, f"run_dir={tmp_path}" if "nope" not in args[2] else "x=1"), needle)
 
 
 AGENTIC = str(ROOT / "configs" / "interaction_debug.yaml")
@@ -51,8 +48,7 @@ AGENTIC = str(ROOT / "configs" / "interaction_debug.yaml")
                                      "configured: none (agent.interactions_config is unset)"),
 ])
 def test_agent_mistakes_stop_before_any_process_starts(command, override, needle, tmp_path):
-    res = cli(command, "--config", AGENTIC, f"run_dir={tmp_path}", "transport.addr=tcp://127.0.0.1:9", override,
-              timeout=60)
+    res = cli_here(command, "--config", AGENTIC, f"run_dir={tmp_path}", "transport.addr=tcp://127.0.0.1:9", override)
     assert_one_line_error(res, needle)
     assert not (tmp_path / "logs" / "rollout.log").exists()  # refused in the launcher, no rollout process ran
 
@@ -93,7 +89,7 @@ def test_gpu_placement_mistakes_stop_before_any_process_starts(args, needle, tmp
     """async_rl/placement.py refuses what cannot be placed in the launcher (tests/unit/test_placement.py
     covers every rule over faked GPU counts; these hold on any machine, with or without GPUs)."""
     command, *overrides = args
-    res = cli(command, "--config", DEBUG, f"run_dir={tmp_path}", *overrides, timeout=60)
+    res = cli_here(command, "--config", DEBUG, f"run_dir={tmp_path}", *overrides)
     assert_one_line_error(res, needle)
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").glob("*.pid"))  # no child ever ran
 @pytest.mark.parametrize("command", ["run", "rollout"])
@@ -109,3 +105,16 @@ def test_python_tool_without_isolation_is_refused_at_start_up(command, tmp_path)
                                "`unshare` is not installed); install bubblewrap or allow unprivileged user namespaces, "
                                "or set `isolation: audit` in its config")
     assert not (tmp_path / "logs" / "rollout.log").exists()
+
+
+def test_the_real_entry_point_refuses_each_kind_in_one_line(tmp_path):
+    """One case of each kind above through `python -m launch.cli`, as a user runs it: what only a child
+    process shows (a warning printed at import, a traceback at start-up) fails here."""
+    cases = [(["run", "--config", DEBUG, "mode=turbo"], "mode: must be one of async|sync"),
+             (["rollout", "--config", AGENTIC, "transport.addr=tcp://127.0.0.1:9", "rollout.agent=nope"],
+              "rollout.agent: unknown agent loop 'nope'"),
+             (["run", "--config", DEBUG, "trainer.device=cpu", "cluster.trainer_gpus=[0]"],
+              "cluster.trainer_gpus: lists GPUs, but the trainer side runs on cpu")]
+    for k, (args, needle) in enumerate(cases):
+        assert_one_line_error(cli(*args, f"run_dir={tmp_path / str(k)}", timeout=60), needle)
+        assert not (tmp_path / str(k) / "logs" / "rollout.log").exists()

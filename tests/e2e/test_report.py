@@ -2,8 +2,6 @@
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,16 +12,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from async_rl.report import RunDirError, compare_runs, load_run, plot_curves, write_report
 from async_rl.report.panels import PANELS, draw_panel, engine_idle_share
+from tests.e2e.clitools import FINISHED_STEPS, cli, cli_here
 
-ROOT = Path(__file__).resolve().parents[2]
-DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
-STEPS = 4
 ALWAYS = ["reward", "accuracy", "throughput", "staleness", "queue", "interruptions", "idle", "optimisation"]
-
-
-def cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def assert_png(path: Path, min_px: int = 300) -> None:
@@ -51,12 +42,9 @@ def img_sources(index: Path) -> list[str]:
     return re.findall(r'<img src="([^"]+)"', index.read_text())
 
 
-@pytest.fixture(scope="module")
-def debug_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("run")
-    res = cli("run", "--config", DEBUG, f"run_dir={run_dir}", f"total_steps={STEPS}", "log.progress=false")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return run_dir
+@pytest.fixture
+def debug_run(finished_run) -> Path:
+    return finished_run  # tests/e2e/conftest.py: a finished debug run of FINISHED_STEPS steps
 
 
 def test_report_of_a_finished_debug_run(debug_run):
@@ -86,7 +74,7 @@ def test_default_run_writes_tensorboard_events(debug_run):
     scalars = acc.Tags()["scalars"]
     for key in ("train/reward_mean", "train/loss", "queue/depth", "timing/step_s", "policy_version"):
         assert key in scalars, key
-    assert [e.step for e in acc.Scalars("train/reward_mean")] == list(range(STEPS))
+    assert [e.step for e in acc.Scalars("train/reward_mean")] == list(range(FINISHED_STEPS))
 
 
 def test_report_to_another_directory(debug_run, tmp_path):
@@ -101,7 +89,7 @@ def test_bad_run_dir_is_one_error_line(tmp_path, make):
     target = tmp_path / "run"
     if make == "empty_dir":
         target.mkdir()
-    res = cli("report", str(target), timeout=60)
+    res = cli_here("report", str(target))
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: RUN_DIR: "), res.stderr

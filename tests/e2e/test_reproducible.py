@@ -9,14 +9,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(run_dir: Path, *overrides: str) -> None:
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     # same threads in both modes (pinned pools), so the two runs differ only in mode
-    res = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", "configs/debug_cpu.yaml",
-                          f"run_dir={run_dir}", "total_steps=3", "seed=7", "log.progress=false", "log.trajectories=true",
-                          "model.dtype=float32", "trainer.compute_dtype=float32", "rollout.max_new_tokens=3",
-                          "cores.engine=[0]", "cores.trainer=[1]", *overrides],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", "configs/debug_cpu.yaml",
+                             f"run_dir={run_dir}", "total_steps=3", "seed=7", "log.progress=false",
+                             "log.trajectories=true", "model.dtype=float32", "trainer.compute_dtype=float32",
+                             "rollout.max_new_tokens=3", "cores.engine=[0]", "cores.trainer=[1]", *overrides],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _by_step(run_dir: Path) -> dict[int, list[tuple]]:
@@ -29,8 +28,15 @@ def _by_step(run_dir: Path) -> dict[int, list[tuple]]:
 
 
 def test_async_eta0_trains_the_trajectories_sync_does(tmp_path):
-    _run(tmp_path / "async", "mode=async", "max_staleness=0")
-    _run(tmp_path / "sync", "mode=sync")
+    # both at once: what either trains does not depend on timing, which is the point
+    runs = [_start(tmp_path / "async", "mode=async", "max_staleness=0"), _start(tmp_path / "sync", "mode=sync")]
+    try:
+        for run in runs:
+            _, err = run.communicate(timeout=600)
+            assert run.returncode == 0, err[-3000:]
+    finally:
+        for run in runs:
+            run.kill()
     a, s = _by_step(tmp_path / "async"), _by_step(tmp_path / "sync")
     assert sorted(a) == sorted(s) == [0, 1, 2]
     for step in a:
@@ -41,14 +47,3 @@ def test_async_eta0_trains_the_trajectories_sync_does(tmp_path):
     la = [json.loads(r)["train/loss"] for r in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
     ls = [json.loads(r)["train/loss"] for r in (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()]
     assert max(abs(p - q) for p, q in zip(la, ls)) < 1e-5
-
-
-def test_debug_task_reward_rises(tmp_path):
-    """The debug task's learning signal is well above noise: this fails if learning breaks."""
-    res = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", "configs/debug_cpu.yaml",
-                          f"run_dir={tmp_path}", "total_steps=24", "seed=0", "mode=sync", "log.progress=false"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rewards = [json.loads(r)["train/reward_mean"] for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    first, last = sum(rewards[:6]) / 6, sum(rewards[-6:]) / 6
-    assert first < 0.3 and last > first + 0.15, (first, last, rewards)

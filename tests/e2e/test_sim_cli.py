@@ -7,19 +7,14 @@ import pytest
 import yaml
 
 from async_rl.sim import Placement, load_profile, sim_config, simulate
-from tests.e2e.test_run import DEBUG, ROOT, cli
+from tests.e2e.clitools import ROOT, cli, cli_here
 
 PROFILE = str(ROOT / "configs" / "sim" / "areal_h800_r1distill_1p5b.yaml")
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    run = tmp_path_factory.mktemp("simrun")
-    res = cli("run", "--config", DEBUG, f"run_dir={run}", "total_steps=5", "mode=async", "max_staleness=1",
-              "rollout.max_new_tokens=6", "trainer.batch_size=32", "log.progress=false",
-              "cores.engine=[0]", "cores.trainer=[1]", "cores.share=false")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return run
+@pytest.fixture
+def run_dir(finished_run):
+    return finished_run  # tests/e2e/conftest.py: 5 async steps at eta=1, pinned pools, batch 32, 6 new tokens
 
 
 def test_calibration_round_trips_a_run(run_dir, tmp_path):
@@ -62,7 +57,7 @@ def test_sweep_prints_a_table_draws_plots_and_recommends(tmp_path):
     (["sim", "calibrate"], "error: sim calibrate: expected a RUN_DIR"),
 ])
 def test_bad_input_is_one_error_line(args, message):
-    res = cli(*args, timeout=120)
+    res = cli_here(*args)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), res.stderr
@@ -73,7 +68,7 @@ def test_a_bad_profile_names_the_key(tmp_path):
     data = yaml.safe_load(Path(PROFILE).read_text())
     data["engine"] = {"warp_speed": 9}
     bad.write_text(yaml.safe_dump(data))
-    res = cli("sim", "--profile", str(bad), "--gpus", "8", timeout=60)
+    res = cli_here("sim", "--profile", str(bad), "--gpus", "8")
     assert res.returncode == 2 and res.stderr.strip() == (
         "error: engine.warp_speed: unknown key (known: max_running, max_tokens_per_step, per_ctx_token_s, "
         "per_prefill_token_s, per_seq_s, scaling, step_base_s, units)")
