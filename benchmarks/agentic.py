@@ -4,11 +4,13 @@
     python benchmarks/agentic.py --config interaction_debug     # tiny model + simulated user
     python benchmarks/agentic.py --steps 12 -- max_staleness=4  # overrides after `--`
 
-Runs `async-rl run` on the config (async, its own staleness bound) and tabulates every train
-step from run_dir/metrics.jsonl: mean train reward, tool calls and tool errors per episode,
-assistant and user turns per episode, response tokens, the oldest token's lag and the step's
-wall time. Prints the table and writes benchmarks/results/agentic_<config>.{md,json} with the
-command and the machine.
+Runs `async-rl run` on the config (async, its own staleness bound) `--runs` times (3, the same
+command one after the other: async batch order depends on timing, so runs differ) and summarises
+each run's train steps from run_dir/metrics.jsonl: mean train reward, tool calls and tool errors
+per episode, assistant and user turns per episode over the first, middle and last third of the
+steps, as the median (min-max) over the runs, and every step of every run (response tokens, the
+oldest token's lag, the step's wall time too). Prints the tables and writes
+benchmarks/results/agentic_<config>.{md,json} with the command and the machine.
 """
 
 from __future__ import annotations
@@ -68,22 +70,42 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("overrides", nargs="*", help="dotted overrides for the run (after --)")
+    ap.add_argument("--runs", type=int, default=3, help="runs of the same command; medians (min-max) over them")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="agentic_") as tmp:
-        rows, wall = run(args.config, args.steps, args.seed, args.overrides, Path(tmp) / "run")
-    lines = ["| step | " + " | ".join(c for c, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    lines += [f"| {r['step']} | " + " | ".join(cell(r, k, f) for _, k, f in COLUMNS) + " |" for r in rows]
-    summary = {c: thirds(rows, k) for c, k, _ in COLUMNS[:5]}
-    lines += ["", "Means over the first / middle / last third of the steps:", "",
-              "| | first | middle | last |", "|---|---|---|---|"]
-    lines += [f"| {c} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in vals) + " |"
-              for c, vals in summary.items()]
-    lines.append(f"\nWhole run (model load, generation, {len(rows)} train steps): {wall:.0f} s")
+    if args.runs < 1:
+        raise SystemExit("error: --runs must be at least 1")
+    runs = []
+    for k in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="agentic_") as tmp:
+            rows, wall = run(args.config, args.steps, args.seed, args.overrides, Path(tmp) / "run")
+        runs.append({"rows": rows, "wall_s": wall, "thirds": {c: thirds(rows, key) for c, key, _ in COLUMNS[:5]}})
+        print(f"run {k}: {wall:.0f} s, reward by thirds {runs[-1]['thirds']['reward']}", flush=True)
+    lines = [f"{args.runs} runs of the same command, one after the other. Means over the first / middle / last "
+             "third of each run's steps; median (min-max) over the runs:", "",
+             "| | first | middle | last |", "|---|---|---|---|"]
+    for c, _, _ in COLUMNS[:5]:
+        cells = []
+        for third in range(3):
+            got = [r["thirds"][c][third] for r in runs if r["thirds"][c][third] is not None]
+            cells.append("-" if not got else median_cell(got))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines.append(f"\nWhole run (model load, generation, {args.steps} train steps): "
+                 f"{median_cell([r['wall_s'] for r in runs], '.0f')} s")
+    for k, r in enumerate(runs):
+        lines += ["", f"Run {k}, every step:", "",
+                  "| step | " + " | ".join(c for c, _, _ in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+        lines += [f"| {row['step']} | " + " | ".join(cell(row, key, f) for _, key, f in COLUMNS) + " |"
+                  for row in r["rows"]]
     text = "\n".join(lines)
     print(text)
     write_results(f"agentic_{args.config}", text, {"config": args.config, "steps": args.steps, "seed": args.seed,
-                                                   "overrides": args.overrides, "wall_s": wall, "rows": rows,
-                                                   "thirds": summary})
+                                                   "overrides": args.overrides, "runs": runs})
+
+
+def median_cell(values: list[float], fmt: str = ".3f") -> str:
+    if len(values) == 1:
+        return f"{values[0]:{fmt}}"
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ BENCH = ROOT / "runs" / "bench"
 def run_benchmark(args: argparse.Namespace) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "async_vs_sync.py"), "--name", "sim_validation_runs"]
     cmd += ["--quick"] if args.quick else ["--steps", str(args.steps), "--eta", *map(str, args.eta)]
+    cmd += ["--repeats", str(args.repeats)]
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -72,7 +73,7 @@ def shares(hist: list[int]) -> list[float]:
 
 
 def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
-    runs = sorted(d for d in BENCH.glob("*_*_*") if (d / "metrics.jsonl").is_file()
+    runs = sorted(d for d in BENCH.glob("*_*_*_r*") if (d / "metrics.jsonl").is_file()
                   and d.name.split("_")[0] in SETUPS)
     if not runs:
         raise SystemExit(f"no benchmark runs under {BENCH}: run without --reuse")
@@ -80,16 +81,17 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
     profile = calibrate(*calib)
     rows = []
     for run in runs:
-        setup, mode, eta = run.name.split("_")
+        setup, mode, eta, rnd = run.name.split("_")  # async_vs_sync.py names them SETUP_MODE_ETA_rROUND
         measured = measure(run, args.warmup)
-        rows.append({"run": run.name, "setup": setup, "setting": mode + (f" eta={eta}" if mode == "async" else ""),
+        rows.append({"run": run.name, "setup": setup, "round": rnd, "setting": mode + (f" eta={eta}" if mode == "async" else ""),
                      "measured": measured["run_trained_traj_per_s"], "measured_hist": measured["staleness_hist"],
                      "calibrated_on": run in calib, **{"predicted_" + k: v for k, v in
                                                       predict(profile, run, args.seeds, args.warmup).items()}})
     lines = ["| set-up | setting | measured traj/s | predicted traj/s | measured vs sync | predicted vs sync | "
              "error of the ratio | staleness measured (shares of lag 0,1,..,>eta) | predicted |", "|" + "---|" * 9]
     for r in rows:
-        base = next((b for b in rows if b["setup"] == r["setup"] and b["setting"] == "sync"), None)
+        base = next((b for b in rows if b["setup"] == r["setup"] and b["round"] == r["round"]
+                     and b["setting"] == "sync"), None)
         if base is None:
             continue
         r["measured_ratio"] = r["measured"] / base["measured"]
@@ -104,7 +106,8 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
     errors = [r["error"] for r in rows if "error" in r and r["setting"] != "sync"]
     slowdown = []  # what the model leaves out: a side slowed down by the other running at once on this machine
     for setup in sorted({r["setup"] for r in rows}):
-        per_token = {r["setting"]: _train_s_per_token(BENCH / r["run"]) for r in rows if r["setup"] == setup}
+        per_token = {r["setting"]: _train_s_per_token(BENCH / r["run"]) for r in rows
+                     if r["setup"] == setup and r["round"] == rows[0]["round"]}
         for setting, value in per_token.items():
             if setting != "sync" and "sync" in per_token:
                 slowdown.append(f"{setup} {setting} {value / per_token['sync']:.1f}x")
@@ -142,7 +145,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the steady window (default 3, 2 quick)")
-    ap.add_argument("--calibrate-on", nargs="+", default=["pools_sync_0", "shared_sync_0"],
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of async_vs_sync.py (each setting once a round)")
+    ap.add_argument("--calibrate-on", nargs="+", default=["pools_sync_0_r0", "shared_sync_0_r0"],
                     help="the runs under runs/bench the profile is fitted to (pooled; default: the two sync runs, one "
                          "pinned to a core a side and one on both cores, so speed on 1 and 2 cores is measured)")
     ap.add_argument("--seeds", type=int, default=3, help="simulations averaged per prediction")
