@@ -38,7 +38,9 @@ AGENTIC = str(ROOT / "configs" / "interaction_debug.yaml")
 
 @pytest.mark.parametrize("command", ["run", "rollout"])
 @pytest.mark.parametrize("override,needle", [
-    ("rollout.agent=nope", "rollout.agent: unknown agent loop 'nope'; registered: single_turn, tool_agent"),
+    # registered: what this process registered so far (other tests add loops); a fresh process lists the
+    # built-in ones only (test_the_real_entry_point_refuses_each_kind_in_one_line)
+    ("rollout.agent=nope", "rollout.agent: unknown agent loop 'nope'; registered: "),
     ("task.agents=[tool_agent,nope]", "task.agents: unknown agent loop 'nope'"),
     ("task.interactions=[echo_user,nope]", "task.interactions: unknown interaction 'nope'; configured: arith_user, "
                                            "echo_user (agent.interactions_config=configs/interactions/default.yaml)"),
@@ -112,7 +114,7 @@ def test_the_real_entry_point_refuses_each_kind_in_one_line(tmp_path):
     process shows (a warning printed at import, a traceback at start-up) fails here."""
     cases = [(["run", "--config", DEBUG, "mode=turbo"], "mode: must be one of async|sync"),
              (["rollout", "--config", AGENTIC, "transport.addr=tcp://127.0.0.1:9", "rollout.agent=nope"],
-              "rollout.agent: unknown agent loop 'nope'"),
+              "rollout.agent: unknown agent loop 'nope'; registered: single_turn, tool_agent (a loop of your own"),
              (["run", "--config", DEBUG, "trainer.device=cpu", "cluster.trainer_gpus=[0]"],
               "cluster.trainer_gpus: lists GPUs, but the trainer side runs on cpu")]
     for k, (args, needle) in enumerate(cases):
