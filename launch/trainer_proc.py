@@ -92,9 +92,13 @@ def _wait_batch(queue: TrajectoryQueueServer, cfg: Config, on_tick=None, num: in
 
 
 def _wait_producers_gone(queue: TrajectoryQueueServer, timeout: float) -> None:
-    """After `stop`, give producers time to run their final evaluation and say goodbye."""
+    """After `stop`, give producers time to run their final evaluation and say goodbye. A producer
+    that stopped heartbeating (a rollout side killed without a goodbye: the queue keeps it connected
+    until transport.peer_timeout_s) is not waited for: a stop with a dead rollout side took the
+    launcher's whole 20 s grace and a SIGKILL."""
     deadline = time.monotonic() + timeout
-    while queue.stats().get("queue/producers", 0) and time.monotonic() < deadline:
+    silent_after = 3 * queue.heartbeat_s + 1.0
+    while queue.producers_heard_within(silent_after) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

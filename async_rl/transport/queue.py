@@ -242,6 +242,12 @@ class TrajectoryQueueServer:
                     "queue/bulk_inflight_peak_bytes": self._bulk.peak_inflight,
                     "queue/bulk_rejected": self._bulk.rejected}
 
+    def producers_heard_within(self, seconds: float) -> int:
+        """Connected producers that sent anything in the last `seconds` (a live one heartbeats every
+        heartbeat_s; one that died without a goodbye stays connected until peer_timeout_s)."""
+        now = time.monotonic()
+        return sum(1 for p in list(self._producers.values()) if now - p.last_seen <= seconds)
+
     def wait_for_producer(self, timeout: float | None = None) -> None:
         """Block until at least one producer has said HELLO; raises QueueTimeout."""
         with self._cond:

@@ -32,7 +32,7 @@ def rollout_metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("mode,eta,extra", [("async", 1, []), ("async", 4, ["transport.capacity=1024"]),
                                             ("sync", 0, [])])
 def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
-    steps = 6
+    steps = 4
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"mode={mode}", f"max_staleness={eta}",
               f"total_steps={steps}", "log.progress=false", "rollout.eval_every=2", *extra, *gate_overrides())
     assert res.returncode == 0, res.stderr[-3000:]
