@@ -69,3 +69,27 @@ class _Producer:
     @property
     def held(self) -> int:
         return max(0, self.granted - self.received)
+
+
+def grant_credits(producers: list[_Producer], free: int, capacity: int) -> set[bytes]:
+    """Give `free` room to waiting producers, oldest demand first and a whole group at a time (a
+    group that could never fit the queue is skipped: its producer refuses such groups). Raises the
+    granted counts in place; returns who got credits."""
+    granted: set[bytes] = set()
+    for p in sorted((p for p in producers if p.want > p.granted), key=lambda p: p.waiting_since):
+        need = p.want - p.granted
+        if p.want - p.received > capacity:
+            continue
+        if need > free:
+            break
+        p.granted += need
+        free -= need
+        granted.add(p.identity)
+    return granted
+
+
+def heard_within(producers: list[_Producer], seconds: float, now: float | None = None) -> int:
+    """Producers that sent anything in the last `seconds` (a live one heartbeats every heartbeat_s;
+    one that died without a goodbye stays registered until peer_timeout_s)."""
+    now = time.monotonic() if now is None else now
+    return sum(1 for p in producers if now - p.last_seen <= seconds)

@@ -49,9 +49,10 @@ from async_rl.transport.messages import (
     CONTROL, TO_TRAINER, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
     TrainerHeartbeat, Welcome, pack, unpack)
 from async_rl.transport.peers import (  # noqa: F401  (errors re-exported: callers import them from here)
-    PeerTimeoutError, PeerUnreachableError, QueueTimeout, _check_addr, _check_timing, _Producer, _RecentIds)
+    PeerTimeoutError, PeerUnreachableError, QueueTimeout, _check_addr, _check_timing, _Producer, _RecentIds,
+    grant_credits, heard_within)
 from async_rl.types import Trajectory, WireFormatError
-from async_rl.utils.prompts import PromptSet, prompt_of
+from async_rl.utils.prompts import PromptSet, held_positions, prompt_of
 
 logger = logging.getLogger(__name__)
 
@@ -243,10 +244,8 @@ class TrajectoryQueueServer:
                     "queue/bulk_rejected": self._bulk.rejected}
 
     def producers_heard_within(self, seconds: float) -> int:
-        """Connected producers that sent anything in the last `seconds` (a live one heartbeats every
-        heartbeat_s; one that died without a goodbye stays connected until peer_timeout_s)."""
-        now = time.monotonic()
-        return sum(1 for p in list(self._producers.values()) if now - p.last_seen <= seconds)
+        """Connected producers that sent anything in the last `seconds` (peers.heard_within)."""
+        return heard_within(list(self._producers.values()), seconds)
 
     def wait_for_producer(self, timeout: float | None = None) -> None:
         """Block until at least one producer has said HELLO; raises QueueTimeout."""
@@ -361,7 +360,7 @@ class TrajectoryQueueServer:
                 version, slots = self._trainer_state
                 self._counts["queue/sessions"] += 1
                 admitted = slots + self._buffered + len(self._handed)
-                held = self._held_prompts()
+                held = held_positions(self._consumed_prompts, self._buffer, self._handed.values())
             self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session,
                                          policy_version=version, admitted=admitted, run_id=self.run_id,
                                          prompts=held))
@@ -450,16 +449,7 @@ class TrajectoryQueueServer:
         with self._cond:
             free = self.capacity - self._buffered - len(self._handed)
         free -= sum(p.held for p in self._producers.values())
-        granted: set[bytes] = set()
-        for p in sorted((p for p in self._producers.values() if p.want > p.granted), key=lambda p: p.waiting_since):
-            need = p.want - p.granted
-            if p.want - p.received > self.capacity:
-                continue  # can never fit; the producer refuses such a group, so this is a confused peer
-            if need > free:
-                break
-            p.granted += need
-            free -= need
-            granted.add(p.identity)
+        granted = grant_credits(list(self._producers.values()), free, self.capacity)
         if granted:
             self._set_producer_count()
         for identity in granted | set(acks):
@@ -491,14 +481,6 @@ class TrajectoryQueueServer:
             logger.debug("send to %r failed: %s", identity[:40], exc)
             return False
         return True
-
-    def _held_prompts(self) -> PromptSet:
-        """Positions consumed, buffered or being trained: what a joining producer must not generate
-        again (under _cond)."""
-        held = self._consumed_prompts.copy()
-        held.update(q for g in self._buffer for t in g if (q := prompt_of(t.info)) is not None)
-        held.update(q for q in self._handed.values() if q is not None)
-        return held
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._cond:

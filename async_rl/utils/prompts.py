@@ -87,3 +87,12 @@ class PromptSet:
 
     def __repr__(self) -> str:
         return f"PromptSet(low={self.low}, above={self.above()})"
+
+
+def held_positions(consumed: PromptSet, buffered_groups: Iterable[list], handed: Iterable[int | None]) -> PromptSet:
+    """Positions consumed, buffered (groups of trajectories) or being trained (`handed`): what a
+    joining producer must not generate again."""
+    held = consumed.copy()
+    held.update(q for g in buffered_groups for t in g if (q := prompt_of(t.info)) is not None)
+    held.update(q for q in handed if q is not None)
+    return held
