@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import dataclasses
 import logging
 from pathlib import Path
@@ -15,6 +14,7 @@ from async_rl.placement import SIDES, Placement, gpus_here, place
 from async_rl.trainer.backends import get_backend
 from async_rl.utils.cores import CoreShare, base_share
 from async_rl.utils.hardware import resolve_device, resolve_dtype
+from async_rl.utils.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -24,17 +24,11 @@ def effective_threads(configured: int, mode: str) -> int:
     return base_share(configured, mode, os.cpu_count() or 1)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def with_free_port(addr: str) -> str:
     """tcp://HOST:0 -> tcp://HOST:<free port>; anything else unchanged."""
     if addr.startswith("tcp://") and addr.endswith(":0"):
         host = addr[len("tcp://"):-2]
-        return f"tcp://{host}:{free_port(host if host not in ('*', '0.0.0.0') else '127.0.0.1')}"
+        return f"tcp://{host}:{free_port(host)}"
     return addr
 
 

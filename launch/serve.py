@@ -117,11 +117,18 @@ logging.getLogger("uvicorn.error").addFilter(_GraceFilter())
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound socket on host:port (port 0 = a free port; read it back with `socket_url`)."""
+    """A listening socket on host:port (port 0 = a free port; read it back with `socket_url`).
+
+    It listens at once, not when uvicorn starts serving seconds later (after the model loads):
+    with SO_REUSEADDR (kept so a restarted server gets its old port back out of TIME_WAIT) a
+    socket that is only bound does not hold its port against another SO_REUSEADDR bind, such
+    as ZeroMQ's for a queue address picked by `launch.common.free_port`, and this server's
+    listen would then fail with EADDRINUSE. Connections that arrive early wait in the backlog."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
     except OSError as exc:
         sock.close()
         raise OSError(f"engine.host/engine.port: cannot bind {host}:{port} ({exc.strerror}); "

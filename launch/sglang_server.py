@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from async_rl.config import Config, resolve_secret
+from async_rl.utils.ports import free_port
 
 BUILT_IN_MODELS = ("tiny", "smollm2-135m")  # built in-process by async_rl.models: SGLang cannot load them
 
@@ -85,12 +85,6 @@ def check_sglang(cfg: Config, index: int) -> None:
                            "cannot load it; give a Hugging Face checkpoint directory or hub id")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def sglang_command(cfg: Config, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.name,
            "--host", cfg.engine.host, "--port", str(port), "--weight-version", "0",
@@ -127,7 +121,7 @@ def start_sglang(cfg: Config, index: int, env: dict[str, str] | None = None,
     """Start SGLang server `index` with `env` added to the inherited environment (its GPU: never the
     index, which would discard the user's or Ray's mask); return it and its URL once /health answers 200."""
     check_sglang(cfg, index)
-    port = cfg.engine.port or _free_port(cfg.engine.host)  # server_config already gave server `index` its own port
+    port = cfg.engine.port or free_port(cfg.engine.host)  # server_config already gave server `index` its own port
     host = f"[{cfg.engine.host}]" if ":" in cfg.engine.host else cfg.engine.host
     url = f"http://{host}:{port}"
     log_path = Path(cfg.run_dir) / "logs" / f"sglang{index}.log"

@@ -1,0 +1,52 @@
+"""A generation server's port is its own from the moment it is picked, not from the moment uvicorn
+starts serving after the model loads: a queue address that `launch.common.free_port` picked and
+ZeroMQ binds (with SO_REUSEADDR, as libzmq does on Linux) must not land on it. CI saw exactly that
+race once: the server's later listen() failed with EADDRINUSE."""
+
+import zmq
+
+from launch.serve import bind_socket, socket_url
+
+
+def test_a_server_socket_holds_its_port_against_zeromq_from_the_start():
+    sock = bind_socket("127.0.0.1", 0)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    try:
+        port = sock.getsockname()[1]
+        assert socket_url(sock) == f"http://127.0.0.1:{port}"
+        try:
+            pull.bind(f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError as exc:
+            assert exc.errno == zmq.EADDRINUSE
+        else:
+            raise AssertionError("ZeroMQ bound the server's port: the server would fail to listen later")
+    finally:
+        pull.close(0)
+        ctx.term()
+        sock.close()
+
+
+def test_free_ports_are_drawn_where_the_kernel_never_hands_out_ports(monkeypatch, tmp_path):
+    """Ports picked for later binds lie below the ephemeral range (bind(0) and outgoing connections
+    draw from it), are bindable, and a host whose range leaves no room falls back to bind(0)."""
+    import random
+    import socket
+
+    from async_rl.utils import ports
+
+    start = ports.ephemeral_start()
+    picked = {ports.free_port("127.0.0.1", random.Random(i)) for i in range(20)}
+    assert all(ports.LOWEST <= p < start for p in picked) and len(picked) > 10
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:  # a taken port is never returned: draw it first, then something else
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(ports, "ephemeral_start", lambda: taken + 1)
+        monkeypatch.setattr(ports, "LOWEST", taken)
+        assert ports.free_port("127.0.0.1") != taken
+    finally:
+        held.close()
+    monkeypatch.setattr(ports, "ephemeral_start", lambda: ports.LOWEST)  # no room below the range
+    assert ports.free_port("*") > 0
