@@ -8,6 +8,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -35,6 +36,26 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def gemm_roof(shapes: list[tuple[int, int, int]], dtype: "torch.dtype | None" = None) -> tuple[float, str]:
+    """The best GEMM FLOP/s this process reaches (its torch threads, `dtype`, fp32 by default) over
+    `shapes` (m, k, n), and the shape that gave it: the machine's roof a benchmark's FLOP/s is a share of."""
+    import torch
+
+    dtype = dtype or torch.float32
+    best, name = 0.0, ""
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b  # warm-up
+        reps = max(1, int(2e9 // (2 * m * k * n)))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        rate = 2 * m * k * n * reps / (time.perf_counter() - t0)
+        if rate > best:
+            best, name = rate, f"{m}x{k}x{n}"
+    return best, name
 
 
 def command() -> str:

@@ -25,7 +25,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine, write_results  # noqa: E402
 
 SETTINGS = {"async eta=0": ["mode=async", "max_staleness=0"], "async eta=2": ["mode=async", "max_staleness=2"],
-            "async eta=4": ["mode=async", "max_staleness=4"], "sync": ["mode=sync"]}
+            "async eta=4": ["mode=async", "max_staleness=4"], "sync": ["mode=sync"],
+            # the behaviour-correction ablation and its control (not in the default table)
+            "async eta=8": ["mode=async", "max_staleness=8"],
+            "async eta=8 no correction": ["mode=async", "max_staleness=8", "trainer.loss=no_behav_correction"]}
+DEFAULT = ["async eta=0", "async eta=2", "async eta=4", "sync"]
 
 
 def run_one(label: str, seed: int, steps: int, workdir: Path) -> dict:
@@ -44,11 +48,17 @@ def run_one(label: str, seed: int, steps: int, workdir: Path) -> dict:
             "last10": statistics.mean(rewards[-10:]), "step_reach_0.6": reach, "wall_s": wall}
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    cell = lambda v: "never" if v == float("inf") else fmt.format(v)  # noqa: E731
+    return f"{cell(statistics.median(values))} ({cell(min(values))}-{cell(max(values))})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--settings", nargs="+", default=DEFAULT, choices=list(SETTINGS))
+    ap.add_argument("--name", default="debug_learning", help="results file name under benchmarks/results/")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="debug_learning_") as tmp:
@@ -64,8 +74,15 @@ def main() -> None:
               f"| {r['wall_s']:.0f} |" for r in rows]
     ok = all(r["first5"] <= 0.2 + 1e-9 and r["step_reach_0.6"] is not None for r in rows)
     lines.append(f"\nAll runs from <= 0.2 to >= 0.6 within {args.steps} steps: {'yes' if ok else 'NO'}")
+    lines += ["", "Per setting, median (min-max) over the seeds:", "",
+              "| setting | seeds | reward last 10 steps | first step at 0.6 | wall s |", "|---|---|---|---|---|"]
+    for label in args.settings:
+        mine = [r for r in rows if r["setting"] == label]
+        reach = [r["step_reach_0.6"] if r["step_reach_0.6"] is not None else float("inf") for r in mine]
+        lines.append(f"| {label} | {len(mine)} | {_spread([r['last10'] for r in mine], '{:.3f}')} | "
+                     f"{_spread(reach, '{:.0f}')} | {_spread([r['wall_s'] for r in mine], '{:.0f}')} |")
     print("\n".join(lines))
-    write_results("debug_learning", "\n".join(lines), {"rows": rows, "steps": args.steps, "all_learn": ok})
+    write_results(args.name, "\n".join(lines), {"rows": rows, "steps": args.steps, "all_learn": ok})
 
 
 if __name__ == "__main__":

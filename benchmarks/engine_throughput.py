@@ -23,11 +23,13 @@ dtype); engine_throughput.md is rebuilt from it with the command line of each en
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
 import resource
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +41,9 @@ from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine.llm_engine import LLMEngine
 from async_rl.models import PRINTABLE, load_model, load_tokenizer
 from async_rl.types import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import gemm_roof, machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -83,6 +88,12 @@ def workload(vocab: int, n: int, quick: bool, seed: int) -> list[tuple[list[int]
             new = 256
         out.append((prompt, new // 2 if quick else new))
     return out
+
+
+def machine_line() -> str:
+    m = machine()
+    return (f"{m['processor']}, {m['cpu_capability']}, {m['cores']} cores, bf16 GEMM {m['cpu_bf16_gemm_speedup']}x "
+            f"fp32, torch {m['torch']}")
 
 
 def run_engine(model, cfg: EngineConfig, work, desc: str) -> tuple[float, float, LLMEngine]:
@@ -158,6 +169,21 @@ def weight_update_cost(model, cfg: EngineConfig, work, decode_steps: int = 8) ->
             "recompute_steps": steps, "prefill_same_tokens_s": prefill_s, "decode_step_s": decode_s}
 
 
+def model_flops(model, work) -> float:
+    """FLOPs the workload needs at least: 2 x the weights of every linear layer (LM head included,
+    the embedding lookup is not a matmul) per token processed (prompt and generated), plus causal
+    attention, 4 x hidden per layer for each earlier position a token attends to."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.config
+    tokens = sum(len(p) + n for p, n in work)
+    attended = sum((len(p) + n) * (len(p) + n + 1) / 2 for p, n in work)
+    return 2.0 * linear * tokens + 4.0 * cfg.num_hidden_layers * cfg.hidden_size * attended
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def measure(args) -> dict:
     torch.manual_seed(args.seed)
     base_rss = current_rss_mb()
@@ -175,28 +201,37 @@ def measure(args) -> dict:
     reset_peak_rss()
     run_engine(model, cfg, work[:8], "warm-up")  # the first steps pay one-off allocations
     load_before = os.getloadavg()[0]
-    engine_s, engine_cpu, engine = run_engine(model, cfg, work, "engine")
-    peak_rss = peak_rss_mb()
-    stats = engine.stats()
-    del engine
-    update = weight_update_cost(model, cfg, work)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    hf = {b: run_hf(model, work, b, pad, f"hf generate b={b}") for b in args.hf_batch_sizes}  # (wall, cpu)
-    # the machine may be shared: time the engine again after HF and use the mean of both runs
-    again_s, again_cpu, _ = run_engine(model, cfg, work, "engine again")
-    engine_runs = [engine_s, again_s]
-    engine_s, engine_cpu = (engine_s + again_s) / 2, (engine_cpu + again_cpu) / 2
+    rounds: list[dict] = []  # each round times the engine, then generate at every batch size
+    peak_rss, stats = 0.0, {}
+    for r in range(args.repeats):
+        engine_s, engine_cpu, engine = run_engine(model, cfg, work, f"round {r + 1}: engine")
+        if r == 0:
+            peak_rss, stats = peak_rss_mb(), engine.stats()
+        del engine
+        hf = {str(b): run_hf(model, work, b, pad, f"round {r + 1}: hf generate b={b}") for b in args.hf_batch_sizes}
+        rounds.append({"engine_s": engine_s, "engine_cpu_s": engine_cpu, "hf": hf})
+        print(f"round {r + 1}: engine {useful / engine_s:.1f} tok/s, " + ", ".join(
+            f"generate b={b} {useful / w:.1f} tok/s" for b, (w, _) in hf.items()), flush=True)
+    update = weight_update_cost(model, cfg, work)
+    dtype = next(model.parameters()).dtype
+    hidden, inter = model.config.hidden_size, getattr(model.config, "intermediate_size", 4 * model.config.hidden_size)
+    roof, shape = gemm_roof([(512, hidden, inter), (512, inter, hidden), (512, 2048, 2048)], dtype)
+    flops = model_flops(model, work)
+    engine_tps = [useful / r["engine_s"] for r in rounds]
     return {
-        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": args.repeats,
         "num_prompts": len(work), "useful_tokens": useful,
         "prompt_tokens": sum(len(p) for p, _ in work),
-        "engine": {"seconds": engine_s, "runs_seconds": engine_runs, "cpu_seconds": engine_cpu,
-                   "tokens_per_s": useful / engine_s,
-                   "preemptions": stats["engine/preemptions"]},
-        "hf_generate": {str(b): {"seconds": s, "cpu_seconds": c, "tokens_per_s": useful / s}
-                        for b, (s, c) in hf.items()},
-        "speedup": {str(b): s / engine_s for b, (s, _) in hf.items()},
-        "speedup_cpu_time": {str(b): c / engine_cpu for b, (_, c) in hf.items()},
+        "engine": {"tokens_per_s": spread(engine_tps), "runs_seconds": [r["engine_s"] for r in rounds],
+                   "cpu_seconds": [r["engine_cpu_s"] for r in rounds], "preemptions": stats["engine/preemptions"],
+                   "model_flops": flops, "roof_share": spread([flops / r["engine_s"] / roof for r in rounds])},
+        "hf_generate": {b: {"tokens_per_s": spread([useful / r["hf"][b][0] for r in rounds]),
+                            "runs_seconds": [r["hf"][b][0] for r in rounds]} for b in rounds[0]["hf"]},
+        "speedup": {b: spread([r["hf"][b][0] / r["engine_s"] for r in rounds]) for b in rounds[0]["hf"]},
+        "speedup_cpu_time": {b: spread([r["hf"][b][1] / r["engine_cpu_s"] for r in rounds]) for b in rounds[0]["hf"]},
+        "gemm_roof": {"flops": roof, "shape": shape, "dtype": str(dtype).replace("torch.", ""),
+                      "useful_tokens_per_s": roof * useful / flops},
         "load_average": {"before_engine": load_before, "end": os.getloadavg()[0]},
         "weight_update": update,
         "memory_mb": {"peak_rss": peak_rss, "kv_budget": args.kv_cache_mb, "model": model_mb,
@@ -204,22 +239,40 @@ def measure(args) -> dict:
         "engine_config": {"kv_cache_mb": cfg.kv_cache_mb, "max_running": cfg.max_running,
                           "max_tokens_per_step": cfg.max_tokens_per_step, "block_size": cfg.block_size},
         "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-        "machine": f"{os.cpu_count()} cpus, torch {torch.__version__}",
+        "machine": machine_line(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
 
 
+def _cell(x, fmt: str = "{:.1f}", suffix: str = "") -> str:
+    """A median (min-max) cell; entries written before the benchmark repeated hold one number."""
+    if isinstance(x, dict):
+        return f"{fmt.format(x['median'])}{suffix} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
+    return f"{fmt.format(x)}{suffix}"
+
+
 def table(entries: dict) -> str:
-    lines = ["| model | dtype | prompts | useful tok | engine tok/s | HF b=16 tok/s | HF b=32 tok/s | "
-             "speedup vs b=16 / b=32 | same in process CPU time | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | dtype | prompts | useful tok | runs | engine tok/s | share of GEMM roof | HF b=16 tok/s | "
+             "HF b=32 tok/s | speedup vs b=16 | speedup vs b=32 | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries.values():
-        hf = e["hf_generate"]
-        cell = lambda b: f"{hf[b]['tokens_per_s']:.1f}" if b in hf else "-"  # noqa: E731
-        sp = " / ".join(f"{e['speedup'][b]:.2f}x" for b in ("16", "32") if b in e["speedup"])
-        cpu = " / ".join(f"{e.get('speedup_cpu_time', {}).get(b, float('nan')):.2f}x" for b in ("16", "32"))
+        hf, sp = e["hf_generate"], e["speedup"]
+        roof = e["engine"].get("roof_share")
         load = e.get("load_average", {})
         load_cell = f"{load.get('before_engine', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}"
         lines.append(f"| {e['model']} | {e['dtype']} | {e['num_prompts']} | {e['useful_tokens']} | "
-                     f"{e['engine']['tokens_per_s']:.1f} | {cell('16')} | {cell('32')} | {sp} | {cpu} | {load_cell} |")
+                     f"{e.get('repeats', 1)} | {_cell(e['engine']['tokens_per_s'])} | "
+                     f"{_cell(roof, '{:.1%}') if roof else '-'} | "
+                     f"{_cell(hf['16']['tokens_per_s']) if '16' in hf else '-'} | "
+                     f"{_cell(hf['32']['tokens_per_s']) if '32' in hf else '-'} | "
+                     f"{_cell(sp['16'], '{:.2f}', 'x') if '16' in sp else '-'} | "
+                     f"{_cell(sp['32'], '{:.2f}', 'x') if '32' in sp else '-'} | {load_cell} |")
+    roofs = [e for e in entries.values() if "gemm_roof" in e]
+    if roofs:
+        lines += ["", "GEMM roof (the best matmul this process reaches in the model's dtype, same threads, model-"
+                  "shaped and 512x2048x2048): " + "; ".join(
+                      f"{e['model']} {e['gemm_roof']['dtype']}: {e['gemm_roof']['flops'] / 1e9:.0f} GFLOP/s "
+                      f"({e['gemm_roof']['shape']}), i.e. {e['gemm_roof']['useful_tokens_per_s']:.0f} useful tokens/s "
+                      "on this workload if every FLOP ran at it" for e in roofs)]
     lines += ["", "| model | dtype | in-flight seqs / tokens | update_weights s (first) | KV recompute s | "
               "prefill of same tokens s | one decode step s |", "|---|---|---|---|---|---|---|"]
     for e in entries.values():
@@ -247,7 +300,8 @@ def write_results(entry: dict) -> dict:
     md = ["# Engine throughput vs HF generate", "",
           "Useful generated tokens/s on a long-tailed workload (temperature 1.0, EOS ignored); "
           "see benchmarks/engine_throughput.py.", "", table(entries), "", "Commands:", ""]
-    md += [f"- `{e['command']}` ({e['machine']}, {e['threads']} threads)" for e in entries.values()]
+    md += [f"- `{e['command']}` ({e['machine']}, {e['threads']} threads{', ' + e['date'] if 'date' in e else ''})"
+           for e in entries.values()]
     (RESULTS / "engine_throughput.md").write_text("\n".join(md) + "\n")
     return entries
 
@@ -263,6 +317,7 @@ def main() -> None:
     ap.add_argument("--max-tokens-per-step", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of engine + generate runs; medians (min-max)")
     ap.add_argument("--quick", action="store_true", help="64 prompts, halved lengths (< 2 minutes)")
     args = ap.parse_args()
     if args.quick:

@@ -42,7 +42,7 @@ from async_rl.models import PRINTABLE, model_config  # noqa: E402
 from async_rl.trainer.backends import RankInfo, get_backend  # noqa: E402
 from async_rl.trainer.batching import seq_len  # noqa: E402
 from async_rl.types import Trajectory  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import gemm_roof, write_results  # noqa: E402
 from benchmarks.trainer_backends import synthetic_groups  # noqa: E402
 
 ALPHABET = PRINTABLE + "\t"  # 97 characters + 3 specials: a vocabulary of 100
@@ -72,22 +72,6 @@ def model_flops(cfg: ModelConfig, trajs: list[Trajectory]) -> float:
     trained = sum(int(t.loss_mask.sum()) for t in trajs)
     return float(6 * linear * lengths.sum() + 6 * cfg.tiny_layers * h * (lengths ** 2).sum()
                  + 6 * h * model_config(cfg).vocab_size * trained)
-
-
-def gemm_roof(hidden: int, intermediate: int) -> tuple[float, str]:
-    """Best fp32 GEMM FLOP/s of this process over model-shaped and square matmuls, and which shape."""
-    best, name = 0.0, ""
-    for m, k, n in ((2048, hidden, intermediate), (2048, intermediate, hidden), (1024, 1024, 1024)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        a @ b  # warm-up
-        reps = max(1, int(2e9 // (2 * m * k * n)))
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        rate = 2 * m * k * n * reps / (time.perf_counter() - t0)
-        if rate > best:
-            best, name = rate, f"{m}x{k}x{n}"
-    return best, name
 
 
 def computed_tokens(trainer, trajs: list[Trajectory]) -> tuple[int, int]:
@@ -143,7 +127,8 @@ def main() -> None:
             runs[name].append(row)
             print(f"run {k}: {name}: {row['tokens_per_s']:.0f} trained tokens/s, {row['micro_batches']:.1f} "
                   f"micro-batches, {row['computed_tokens']:.0f} tokens computed a step", flush=True)
-    roof, shape = gemm_roof(args.hidden, args.hidden * 8 // 3 // 8 * 8)
+    inter = args.hidden * 8 // 3 // 8 * 8
+    roof, shape = gemm_roof([(2048, args.hidden, inter), (2048, inter, args.hidden), (1024, 1024, 1024)])
     base = _summary(runs["padded"], "tokens_per_s")[0]
     first = runs["padded"][0]
     lines = [f"Model: Llama-shaped, hidden {args.hidden}, {args.layers} layers, 8 heads / 4 KV heads, vocabulary "
