@@ -148,6 +148,12 @@ class TrainerConfig:
     # policy loss from trainer/loss.py LOSSES, by its behaviour-weight rule: decoupled_ppo (truncated at c) |
     # masked_is (dropped above c) | icepop (dropped outside [1/c, c]) | no_behav_correction (ablation)
     loss: str = "decoupled_ppo"
+    # what the trainer does with a trajectory whose oldest sampled token is more than max_staleness versions
+    # behind: drop (the whole trajectory, counted) | mask (train its tokens sampled within the bound; the older
+    # ones stay as context, out of the loss; dropped only if none is within it). With restart_stale a generation
+    # that goes over the bound starts again, which starves long answers; mask keeps them: it needs
+    # rollout.restart_stale=false. Either way no trained token is more than max_staleness versions old.
+    stale_tokens: str = "drop"
     # DAPO's dynamic sampling: groups whose rewards are all equal are set aside (consumed, released from the
     # staleness count so as many more are admitted) until the batch holds batch_size trajectories with signal
     dynamic_sampling: bool = False
@@ -275,6 +281,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "task.prompt_format": ("raw", "chat"),
     "task.answer_pick": ("last", "first"),
     "weight_sync.transport": ("disk", "zmq", "dist"),
+    "trainer.stale_tokens": ("drop", "mask"),
     "log.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 
@@ -328,6 +335,10 @@ def validate(cfg: Config) -> None:
     for key, allowed in _CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}: must be one of {'|'.join(allowed)}, got {_get(cfg, key)!r}")
+    if cfg.trainer.stale_tokens == "mask" and cfg.rollout.restart_stale:
+        raise ConfigError("trainer.stale_tokens=mask trains what a generation sampled within the bound after it ran "
+                          "past it, so it needs rollout.restart_stale=false (restarting such a generation leaves "
+                          "nothing to mask)")
     positive = ["total_steps", "rollout.group_size", "rollout.max_new_tokens", "rollout.max_concurrent",
                 "trainer.batch_size", "trainer.minibatches", "trainer.micro_batch_tokens",
                 "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",

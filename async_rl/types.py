@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -289,6 +289,8 @@ class GenerationOutput:
 
 
 # --------------------------------------------------------------------------- trajectory
+STALE_MASKED = "stale_masked_tokens"  # Trajectory.info: sampled tokens trainer.stale_tokens=mask took out of the loss
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Trajectory:
     """One sampled episode, ready to train on.
@@ -331,6 +333,13 @@ class Trajectory:
         """Newest policy version among the sampled tokens (-1 if none were sampled)."""
         sampled = self.versions[self.loss_mask.astype(bool)]
         return int(sampled.max()) if len(sampled) else -1
+
+    def within_bound(self, floor: int) -> "Trajectory":
+        """This trajectory with its tokens sampled before version `floor` out of the loss mask (they stay
+        as context; trainer.stale_tokens=mask); how many were taken out is `info[STALE_MASKED]`."""
+        keep = (self.versions >= floor).astype(self.loss_mask.dtype)
+        masked = int(self.loss_mask.sum()) - int((self.loss_mask * keep).sum())
+        return replace(self, loss_mask=self.loss_mask * keep, info={**self.info, STALE_MASKED: masked})
 
     def to_wire(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

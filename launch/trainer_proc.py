@@ -185,7 +185,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             if traj_log is not None:
                 _log_trajectories(traj_log, groups, step)
             kept, stale, future = split_by_age([t for g in groups for t in g], trainer.policy_version,
-                                               train_staleness(cfg))
+                                               train_staleness(cfg), cfg.trainer.stale_tokens)
             t_train, thread_s = time.perf_counter(), cores.thread_seconds() if cores is not None else 0.0
             stats = trainer.train_step(groups)
             stats["timing/train_threads"] = _mean_threads(cores, thread_s, time.perf_counter() - t_train)

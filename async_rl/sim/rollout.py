@@ -38,6 +38,13 @@ class SimTrajectory:
     def newest_version(self) -> int:
         return self.newest
 
+    def within_bound(self, floor: int) -> "SimTrajectory":
+        """trainer.stale_tokens=mask: its tokens before `floor` leave the loss (they are still computed)."""
+        out = object.__new__(SimTrajectory)
+        out.oldest, out.newest = floor, self.newest
+        out.prompt_len, out.response_len, out.interrupted = self.prompt_len, self.response_len, self.interrupted
+        return out
+
 
 class _Sample:
     __slots__ = ("group", "prompt", "length", "result")

@@ -85,7 +85,7 @@ class SimTrainer:
             groups = take_groups(self.buffer, self.cfg.trainer.batch_size)
             trajs = [t for g in groups for t in g]
             self.buffered -= len(trajs)
-            kept, stale, future = split_by_age(trajs, self.version, self.eta)
+            kept, stale, future = split_by_age(trajs, self.version, self.eta, self.cfg.trainer.stale_tokens)
             hist = self._hist(trajs)
             self.arrivals = [a + b for a, b in zip(self.arrivals, hist)]
             if not kept:  # no train step: the version stays, the gate stops counting them

@@ -43,7 +43,7 @@ from async_rl.trainer.logprobs import packing_error, token_logprobs
 from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
 from async_rl.trainer.plan import Minibatch, Share, plan_minibatch, score_mask
 from async_rl.trainer.stats import StatsAccumulator, arrival_stats, staleness_stats, version_stats
-from async_rl.types import Trajectory
+from async_rl.types import STALE_MASKED, Trajectory
 from async_rl.utils.hardware import resolve_dtype
 from async_rl.utils.weights import WeightSource
 
@@ -61,15 +61,27 @@ _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0,
               "train/logprob_mismatch_kl": 0.0, "train/logprob_mismatch_frac": 0.0}
 
 
-def split_by_age(trajs: list[Trajectory], policy_version: int,
-                 max_staleness: int) -> tuple[list[Trajectory], list[Trajectory], list[Trajectory]]:
+def split_by_age(trajs: list[Trajectory], policy_version: int, max_staleness: int,
+                 stale_tokens: str = "drop") -> tuple[list[Trajectory], list[Trajectory], list[Trajectory]]:
     """(kept, over-stale, from the future): the one rule of which trajectories a step may train.
     Over-stale: the oldest sampled token is more than `max_staleness` versions behind; from the
-    future: a sampled token is newer than `policy_version` (weights a resume discarded)."""
+    future: a sampled token is newer than `policy_version` (weights a resume discarded).
+    `stale_tokens="mask"` (trainer.stale_tokens) keeps an over-stale trajectory that has sampled
+    tokens within the bound, with the older ones taken out of its loss mask (`within_bound`): only
+    one with none left is over-stale. Either way no kept token is more than max_staleness behind."""
+    if stale_tokens not in ("drop", "mask"):
+        raise ValueError(f"trainer.stale_tokens: must be drop or mask, got {stale_tokens!r}")
     floor = policy_version - max_staleness
     kept, stale, future = [], [], []
     for t in trajs:
-        (future if t.newest_version() > policy_version else stale if t.oldest_version() < floor else kept).append(t)
+        if t.newest_version() > policy_version:
+            future.append(t)
+        elif t.oldest_version() >= floor:
+            kept.append(t)
+        elif stale_tokens == "mask" and t.newest_version() >= floor:
+            kept.append(t.within_bound(floor))
+        else:
+            stale.append(t)
     return kept, stale, future
 
 
@@ -109,9 +121,12 @@ class PPOTrainer:
         """Train on `groups` (each the samples of one prompt) and advance policy_version; return stats."""
         t0 = time.perf_counter()
         trajs = [t for g in groups for t in g]
-        kept, stale, future = split_by_age(trajs, self.policy_version, self.max_staleness)
+        kept, stale, future = split_by_age(trajs, self.policy_version, self.max_staleness, self.cfg.stale_tokens)
         stats = arrival_stats(trajs, kept)
         stats["train/dropped_stale"] = float(len(stale))
+        masked = [t.info[STALE_MASKED] for t in kept if STALE_MASKED in t.info]
+        stats["train/stale_masked_trajs"] = float(len(masked))  # kept with their over-stale tokens masked out
+        stats["train/stale_masked_tokens"] = float(sum(masked))
         stats["train/dropped_future"] = float(len(future))
         stats.update(version_stats(trajs, self.policy_version, self.max_staleness))
         if not kept:

@@ -79,6 +79,21 @@ def test_a_change_to_the_real_restart_rule_changes_what_is_restarted(monkeypatch
     assert after.staleness_hist[-1] > before.staleness_hist[-1]  # not restarted: they arrive over-stale
 
 
+def test_the_real_stale_tokens_rule_keeps_what_drop_would_lose():
+    """rollout.restart_stale=false lets long generations arrive over the bound; the trainer's own
+    split_by_age then drops them (drop) or trains their tokens within the bound (mask)."""
+    p = profile_from_dict({**_dict(profile()), "response": {"kind": "lognormal", "mean": 60, "sigma": 1.2, "max": 2000}})
+
+    def kept(stale_tokens):
+        r = simulate(p, sim_config(p, ["mode=async", "max_staleness=1", "total_steps=10", "rollout.restart_stale=false",
+                                       f"trainer.stale_tokens={stale_tokens}"]), Placement.pools(1, 1))
+        return sum(rec.kept for rec in r.records), sum(rec.dropped for rec in r.records), r.staleness_hist[-1]
+
+    drop, mask = kept("drop"), kept("mask")
+    assert drop[1] > 0 and drop[2] > 0  # over-stale arrivals, dropped
+    assert mask[1] < drop[1] and mask[0] > drop[0]  # the same kind of arrivals, mostly trained
+
+
 def test_shared_cores_lend_the_idle_sides_share():
     """Async on 2 shared cores: a side that runs alone gets both cores (speed x (2/1)^1 here)."""
     p = profile_from_dict({**_dict(profile()), "engine": {**_dict(profile())["engine"], "units": 1, "scaling": 1.0},

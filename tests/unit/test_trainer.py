@@ -208,6 +208,49 @@ def test_stale_trajectories_are_dropped_and_staleness_measured(tok):
     assert stats["train/versions_per_traj_max"] == 3
 
 
+def test_stale_tokens_mask_trains_the_tokens_within_the_bound_and_no_older_one(tok, monkeypatch):
+    """trainer.stale_tokens=mask: a trajectory that ran past the bound keeps its tokens sampled within
+    it (the older ones stay as context, out of the loss); one with none within it is still dropped.
+    The guarantee is per trained token: with the masking broken, the staleness check sees it."""
+    model = _model(tok)
+    p = _ids(tok, "1+1=")
+
+    def groups():
+        return [[_traj(model, p, [5, 6, 7, 8], reward=1.0, group="a", version=[1, 2, 3, 4], interruptions=3),
+                 _traj(model, p, [5, 6], reward=0.0, group="a", version=[1, 2]),  # every token too old
+                 _traj(model, p, [8, 9], reward=0.0, group="a", version=[4, 5])]]
+
+    def step(stale_tokens):
+        trainer = PPOTrainer(model, TrainerConfig(compute_dtype="float32", stale_tokens=stale_tokens),
+                             temperature=1.0, max_staleness=2, seed=0, policy_version=5)
+        return trainer.train_step(groups())
+
+    drop = step("drop")
+    assert drop["train/num_trajectories"] == 1 and drop["train/dropped_stale"] == 2
+    assert drop["train/stale_masked_trajs"] == 0 and drop["train/num_tokens"] == 2
+    mask = step("mask")
+    assert mask["train/num_trajectories"] == 2 and mask["train/dropped_stale"] == 1
+    assert mask["train/stale_masked_trajs"] == 1 and mask["train/stale_masked_tokens"] == 2  # versions 1, 2 < 5-2
+    assert mask["train/num_tokens"] == 4 and mask["train/staleness_max"] == 2  # tokens of versions 3, 4, 4, 5
+    # the arrival histogram still shows what came in over the bound (oldest lags 4, 4, 1)
+    assert mask["train/staleness_hist"] == [0, 1, 0, 2]
+    masked = groups()[0][0].within_bound(3)
+    assert masked.loss_mask.tolist() == [0, 0, 1, 1] and masked.oldest_version() == 3
+    assert masked.response_ids.tolist() == [5, 6, 7, 8]  # still there, as context
+    monkeypatch.setattr(Trajectory, "within_bound", lambda self, floor: self)  # masking broken on purpose
+    assert step("mask")["train/staleness_max"] == 4
+
+
+def test_stale_tokens_mask_needs_generations_that_run_past_the_bound():
+    from async_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.restart_stale=false"):
+        load_config(None, ["trainer.stale_tokens=mask"])
+    with pytest.raises(ConfigError, match="trainer.stale_tokens: must be one of drop|mask"):
+        load_config(None, ["trainer.stale_tokens=keep"])
+    assert load_config(None, ["trainer.stale_tokens=mask", "rollout.restart_stale=false"]).trainer.stale_tokens == "mask"
+
+
 @pytest.mark.parametrize("minibatches", [1, 2])  # prox from the training forward, or recomputed first
 def test_logprob_mismatch_is_measured_on_the_trainers_own_version(tok, minibatches):
     """Behaviour log-probs = the model's own plus known offsets: the metric reports exactly those
