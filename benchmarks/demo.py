@@ -77,10 +77,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--avx2", action="store_true", help="hold torch's kernels to AVX2 (an AVX2-only CPU)")
+    ap.add_argument("--name", default=None, help="results file name (default demo, demo_avx2 with --avx2)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args()
     env = AVX2 if args.avx2 else {}
-    name = "demo_avx2" if args.avx2 else "demo"
+    name = args.name or ("demo_avx2" if args.avx2 else "demo")
     runs = []
     for k in range(args.runs):
         run = one_run(ROOT / "runs" / f"{name}_{k}", args.overrides, env)
