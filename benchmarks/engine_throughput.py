@@ -3,11 +3,16 @@
 Same model, same machine, same run, same workload: a batch of prompts with long-tailed
 `max_new_tokens` (many short answers, a few long ones), temperature-1.0 sampling over the
 full vocabulary, EOS ignored so every request produces exactly its `max_new_tokens`.
-The engine gets every request at once (continuous batching) and is timed before and
-after the HF runs (the mean is reported, which evens out other load on a shared
-machine); `generate` is called the way a user would: left-padded batches of 16 and 32
-in arrival order, each batch running until its longest request. Useful tokens are the
-tokens the requests asked for.
+The engine gets every request at once (continuous batching); `generate` is called the way
+a user would: left-padded batches of 16 and 32 in arrival order, each batch running until its
+longest request. Useful tokens are the tokens the requests asked for. `--repeats` rounds (3)
+each time the engine, then `generate` at every batch size; the table gives medians (min-max),
+speed-ups taken within a round.
+
+Share of the GEMM roof: the FLOPs the workload needs at least (2 x the weights of every linear
+layer per token processed, prompt and generated, plus causal attention; `model_flops`) over the
+engine's wall time, against the best matmul this process reaches in the model's dtype on the
+same threads (model-shaped and 512x2048x2048; `benchmarks.common.gemm_roof`).
 
 Also measured: what a weight update adds (`update_weights` + the KV recompute of the
 in-flight sequences) next to one prefill of the same in-flight tokens, and the peak RSS
