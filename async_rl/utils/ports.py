@@ -6,8 +6,8 @@ comes from the kernel's ephemeral range, the very range every other bind(0) and 
 connection on the machine draws from, so another run starting at the same moment can be given
 the same port in between (CI saw a generation server's listen fail with EADDRINUSE this way).
 So the port is drawn at random from below the ephemeral range (`ip_local_port_range`), where the
-kernel never hands out ports by itself, and checked by binding it; only where that range is
-empty or taken does it fall back to bind(0).
+kernel never hands out ports by itself, and above the ports Ray uses by default (`LOWEST`),
+and checked by binding it; only where that range is empty or taken does it fall back to bind(0).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import random
 import socket
 from pathlib import Path
 
-LOWEST = 10000  # below this: well-known and registered services
+# Below this: well-known and registered services, and Ray's defaults on every node of a Ray cluster
+# (client server 10001, worker ports 10002-19999: `ray start` refuses a head whose --port falls there)
+LOWEST = 20000
 TRIES = 64
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 

@@ -38,6 +38,7 @@ def test_free_ports_are_drawn_where_the_kernel_never_hands_out_ports(monkeypatch
     start = ports.ephemeral_start()
     picked = {ports.free_port("127.0.0.1", random.Random(i)) for i in range(20)}
     assert all(ports.LOWEST <= p < start for p in picked) and len(picked) > 10
+    assert not any(10001 <= p <= 19999 for p in picked)  # Ray's client and worker ports on a cluster node
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen()
