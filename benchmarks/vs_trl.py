@@ -43,12 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, write_results  # noqa: E402
+from benchmarks.demo import rows  # noqa: E402
 
 CONFIG = "configs/smollm2_arith.yaml"
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def ours(run_dir: Path, overrides: list[str]) -> dict:
@@ -58,9 +55,9 @@ def ours(run_dir: Path, overrides: list[str]) -> dict:
                         "log.progress=false", *overrides], cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"async_rl run failed ({p.returncode}): {p.stderr[-2000:]}")
-    evals = _rows(run_dir / "eval.jsonl")
-    metrics = _rows(run_dir / "metrics.jsonl")
-    started = next(r["time"] for r in _rows(run_dir / "rollout_metrics.jsonl") if "rollout/generation_started" in r)
+    evals = rows(run_dir / "eval.jsonl")
+    metrics = rows(run_dir / "metrics.jsonl")
+    started = next(r["time"] for r in rows(run_dir / "rollout_metrics.jsonl") if "rollout/generation_started" in r)
     train_s = metrics[-1]["time"] - started
     curve = [(0.0, next(e for e in evals if e["when"] == "before")["eval/accuracy"])]
     curve += [(e["timing/train_wall_s"], e["eval/accuracy"]) for e in evals if e["when"] == "periodic"]

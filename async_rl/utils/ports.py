@@ -31,13 +31,14 @@ def ephemeral_start() -> int:
         return 32768
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bind(host: str, port: int) -> int | None:
+    """The port a socket bound to host:port got (port 0: one the kernel picks), or None if taken."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
             s.bind((host, port))
         except OSError:
-            return False
-        return True
+            return None
+        return s.getsockname()[1]
 
 
 def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
@@ -45,11 +46,11 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     host = "127.0.0.1" if host in ("", "*", "0.0.0.0") else host
     rng = rng or random.SystemRandom()
     top = ephemeral_start()
-    if top > LOWEST:
-        for _ in range(TRIES):
-            port = rng.randrange(LOWEST, top)
-            if _bindable(host, port):
-                return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    for _ in range(TRIES if top > LOWEST else 0):
+        port = _bind(host, rng.randrange(LOWEST, top))
+        if port is not None:
+            return port
+    port = _bind(host, 0)
+    if port is None:
+        raise OSError(f"no free port on {host}")
+    return port
