@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,10 @@ def run_one(args: argparse.Namespace, label: str, seed: int, run_dir: Path) -> d
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{label} seed {seed} failed:\n{res.stderr[-2000:]}")
-    return summarise(label, seed, run_dir, time.perf_counter() - t0)
+    row = summarise(label, seed, run_dir, time.perf_counter() - t0)
+    for bulky in ("checkpoints", "weights"):  # ~3.5 GB a run with SmolLM2 (model + Adam state): 18 runs fill a disk
+        shutil.rmtree(run_dir / bulky, ignore_errors=True)
+    return row
 
 
 def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:

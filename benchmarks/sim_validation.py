@@ -1,10 +1,11 @@
 """How well `async-rl sim` predicts: measured against predicted on this machine, published against predicted on GPUs.
 
 This machine: runs benchmarks/async_vs_sync.py (pools and shared cores, sync and async at each eta),
-calibrates a profile on its sync runs only (pinned and shared cores: speed on 1 and 2 cores), predicts
-every async run from it (and the sync runs back) with
+calibrates a profile per round on that round's sync runs (pinned and shared cores: speed on 1 and 2
+cores) and eta=2 runs (how much each side slows the other), predicts every other run of the round with
 that run's own settings and placement, and reports the async / sync ratio of trained trajectories per
-second (whole run) and the staleness histogram, measured and predicted, with the error per setting.
+second (whole run) and the staleness histogram, measured and predicted, with the error per setting:
+predicted with each run's own lengths (the system model) and forecast with the sync runs' lengths.
 
 Publications: with the GPU profiles in configs/sim/, fits the one unknown (the mean response length,
 which neither paper gives) to the published *sync* step time, then predicts the async runs:
@@ -19,6 +20,7 @@ AReaL's 2.77x (1.5B, 128 H800) and the shape of its eta sweep; verl's fully-asyn
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import subprocess
 import sys
@@ -32,7 +34,9 @@ sys.path.insert(0, str(ROOT))
 from async_rl.config import config_from_yaml_text  # noqa: E402
 from async_rl.sim import Placement, sim_config  # noqa: E402
 from async_rl.sim.calibrate import calibrate  # noqa: E402
+from async_rl.sim.lengths import LengthDist  # noqa: E402
 from async_rl.sim.run import simulate  # noqa: E402
+from async_rl.utils.metrics import read_jsonl  # noqa: E402
 from benchmarks.async_vs_sync import SETUPS, measure  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from benchmarks.sim_publications import areal_section, verl_section  # noqa: E402
@@ -55,8 +59,15 @@ def placement_of(run_dir: Path) -> Placement:
     return Placement.shared(len(os.sched_getaffinity(0)))
 
 
-def predict(profile, run_dir: Path, seeds: int, warmup: int) -> dict:
+def predict(profile, run_dir: Path, seeds: int, warmup: int, own_lengths: bool = False) -> dict:
+    """The run predicted from `profile` with its own settings and placement; `own_lengths`: with the lengths
+    the run itself trained, in its order (the system model alone), else the profile's (a forecast)."""
     cfg = config_from_yaml_text((run_dir / "config.yaml").read_text())
+    if own_lengths:
+        profile = copy.deepcopy(profile)
+        profile.response = LengthDist(kind="sequence", max=profile.response.max, samples=[
+            int(n) for r in read_jsonl(run_dir / "metrics.jsonl") for n in r["train/response_lens"]])
+        seeds = 1  # nothing else is drawn at random
     overrides = [f"mode={cfg.mode}", f"max_staleness={cfg.max_staleness}", f"total_steps={cfg.total_steps}"]
     results = [simulate(profile, sim_config(profile, overrides), placement_of(run_dir), seed=s, warmup=warmup)
                for s in range(seeds)]
@@ -77,18 +88,27 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
                   and d.name.split("_")[0] in SETUPS)
     if not runs:
         raise SystemExit(f"no benchmark runs under {BENCH}: run without --reuse")
-    calib = [BENCH / name for name in args.calibrate_on]
-    profile = calibrate(*calib)
+    rounds = sorted({run.name.split("_")[-1] for run in runs})
+    calib = {rnd: [BENCH / name.format(round=rnd) for name in args.calibrate_on] for rnd in rounds}
+    missing = [c.name for cs in calib.values() for c in cs if not (c / "metrics.jsonl").is_file()]
+    if missing:
+        raise SystemExit(f"--calibrate-on: no run {missing[0]} under {BENCH}")
+    profiles = {rnd: calibrate(*calib[rnd]) for rnd in rounds}
     rows = []
     for run in runs:
         setup, mode, eta, rnd = run.name.split("_")  # async_vs_sync.py names them SETUP_MODE_ETA_rROUND
         measured = measure(run, args.warmup)
+        own = predict(profiles[rnd], run, args.seeds, args.warmup, own_lengths=True)
+        forecast = predict(profiles[rnd], run, args.seeds, args.warmup)
         rows.append({"run": run.name, "setup": setup, "round": rnd, "setting": mode + (f" eta={eta}" if mode == "async" else ""),
                      "measured": measured["run_trained_traj_per_s"], "measured_hist": measured["staleness_hist"],
-                     "calibrated_on": run in calib, **{"predicted_" + k: v for k, v in
-                                                      predict(profile, run, args.seeds, args.warmup).items()}})
-    lines = ["| set-up | setting | measured traj/s | predicted traj/s | measured vs sync | predicted vs sync | "
-             "error of the ratio | staleness measured (shares of lag 0,1,..,>eta) | predicted |", "|" + "---|" * 9]
+                     "mean_length": float(np.mean([n for r in read_jsonl(run / "metrics.jsonl")
+                                                   for n in r["train/response_lens"]])),
+                     "calibrated_on": run in calib[rnd], **{"predicted_" + k: v for k, v in own.items()},
+                     **{"forecast_" + k: v for k, v in forecast.items()}})
+    lines = ["| set-up | setting | round | mean length | measured traj/s | predicted traj/s | measured vs sync | "
+             "predicted vs sync | error | forecast vs sync | error | staleness measured (shares of lag 0,1,..,>eta) "
+             "| predicted |", "|" + "---|" * 13]
     for r in rows:
         base = next((b for b in rows if b["setup"] == r["setup"] and b["round"] == r["round"]
                      and b["setting"] == "sync"), None)
@@ -96,68 +116,69 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
             continue
         r["measured_ratio"] = r["measured"] / base["measured"]
         r["predicted_ratio"] = r["predicted_traj_per_s"] / base["predicted_traj_per_s"]
+        r["forecast_ratio"] = r["forecast_traj_per_s"] / base["forecast_traj_per_s"]
         r["error"] = abs(r["predicted_ratio"] - r["measured_ratio"]) / r["measured_ratio"]
+        r["forecast_error"] = abs(r["forecast_ratio"] - r["measured_ratio"]) / r["measured_ratio"]
         mark = " (calibrated on)" if r["calibrated_on"] else ""
-        error = "-" if r["setting"] == "sync" else f"{100 * r['error']:.0f}%"
-        lines.append(f"| {r['setup']} | {r['setting']}{mark} | {r['measured']:.1f} | {r['predicted_traj_per_s']:.1f} | "
-                     f"{r['measured_ratio']:.2f}x | {r['predicted_ratio']:.2f}x | "
-                     f"{error} | "
-                     f"{shares(r['measured_hist'])} | {shares(r['predicted_staleness_hist'])} |")
-    errors = [r["error"] for r in rows if "error" in r and r["setting"] != "sync"]
-    per_setting, setting_errors = _per_setting(rows)
-    slowdown = []  # what the model leaves out: a side slowed down by the other running at once on this machine
-    for setup in sorted({r["setup"] for r in rows}):
-        per_token = {r["setting"]: _train_s_per_token(BENCH / r["run"]) for r in rows
-                     if r["setup"] == setup and r["round"] == rows[0]["round"]}
-        for setting, value in per_token.items():
-            if setting != "sync" and "sync" in per_token:
-                slowdown.append(f"{setup} {setting} {value / per_token['sync']:.1f}x")
-    e, t = profile.engine, profile.trainer
+        err = lambda v: "-" if r["setting"] == "sync" else f"{100 * v:.0f}%"  # noqa: E731
+        lines.append(f"| {r['setup']} | {r['setting']}{mark} | {r['round']} | {r['mean_length']:.1f} | "
+                     f"{r['measured']:.1f} | {r['predicted_traj_per_s']:.1f} | {r['measured_ratio']:.2f}x | "
+                     f"{r['predicted_ratio']:.2f}x | {err(r['error'])} | {r['forecast_ratio']:.2f}x | "
+                     f"{err(r['forecast_error'])} | {shares(r['measured_hist'])} | {shares(r['predicted_staleness_hist'])} |")
+    per_setting, errors, forecast_errors = _per_setting(rows)
+    e, t = profiles[rounds[0]].engine, profiles[rounds[0]].trainer
+    names = ", ".join(f"`{n}`" for n in args.calibrate_on)
     text = "\n".join(lines) + (
-        f"\n\nCalibrated on {', '.join(f'`runs/bench/{c}`' for c in args.calibrate_on)} only: engine {1e3 * e.step_base_s:.1f} ms/step + "
-        f"{1e3 * e.per_seq_s:.2f} ms/sequence + {1e6 * e.per_prefill_token_s:.0f} us/prompt token on {e.units} core(s) "
-        f"(speed on more cores: x (cores/{e.units})^{e.scaling:.2f}"
-        f"{'' if profile.measured.get('engine_scaling_measured') else ', not measured: 1.0 assumed'}), trainer "
-        f"{1e3 * t.per_token_s:.3f} ms/token + {t.step_overhead_s:.2f} s/step (scaling {t.scaling:.2f}"
-        f"{'' if profile.measured.get('trainer_scaling_measured') else ', not measured: 1.0 assumed'}), "
-        f"weight update {profile.sync.publish_s:.2f} s publish + {profile.sync.load_s:.2f} s load, "
-        f"{len(profile.response.samples)} response lengths (mean {np.mean(profile.response.samples):.1f}). "
-        f"Predictions average {args.seeds} seeds. Error of the async / sync ratio: "
-        + (f"mean {100 * np.mean(errors):.0f}%, max {100 * max(errors):.0f}% over {len(errors)} runs, one round "
-           f"each; against each setting's median over its rounds (the table below): mean "
-           f"{100 * np.mean(setting_errors):.0f}%, max {100 * max(setting_errors):.0f}% over {len(setting_errors)} "
-           f"settings (target: 10%)." if errors else "no async settings.")
-        + (f" Train step time per batch token in the async runs against the same set-up's sync run: "
-           f"{', '.join(slowdown)} (the model trains at the calibrated speed whatever the other side does); load "
-           f"average when this was written: {os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores."
-           if slowdown else "")) + ("\n\n" + per_setting if per_setting else "")
+        f"\n\nCalibrated per round on {names} of that round (the sync runs give the speeds and the lengths, the "
+        "async ones how much each side slows the other on shared hardware), predicting that round's other runs. "
+        f"Round {rounds[0]}: engine {1e3 * e.step_base_s:.1f} ms/step + {1e3 * e.per_seq_s:.2f} ms/sequence + "
+        f"{1e6 * e.per_prefill_token_s:.0f} us/prompt token on {e.units} core(s) (speed on more cores: x "
+        f"(cores/{e.units})^{e.scaling:.2f}), slowed x{e.overlap_pools:.2f} (pools) / x{e.overlap_shared:.2f} "
+        f"(shared) while the trainer works; trainer {1e3 * t.per_token_s:.3f} ms/token + {t.step_overhead_s:.2f} "
+        f"s/step (scaling {t.scaling:.2f}), slowed x{t.overlap_pools:.2f} / x{t.overlap_shared:.2f} while the engine "
+        f"works. **Predicted**: each run simulated with the lengths it trained, in its order (the system model "
+        f"alone). **Forecast**: with the sync runs' lengths, as a user predicts before running: learning moves the "
+        f"lengths (these async policies drift to shorter answers), which no throughput model knows. Error of the "
+        f"async / sync ratio per setting, the median over rounds, the settings calibrated on left out: predicted "
+        f"mean {100 * np.mean(errors):.0f}%, max {100 * max(errors):.0f}% over {len(errors)} settings; forecast mean "
+        f"{100 * np.mean(forecast_errors):.0f}%, max {100 * max(forecast_errors):.0f}% (target: 10%). Noise of the "
+        f"measurement itself: the sync runs of one set-up differ by {_sync_spread(rows)} between rounds with the "
+        f"same lengths (the machine's speed drifts over minutes); load average when this was written: "
+        f"{os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores.") + "\n\n" + per_setting
     return text, rows
 
 
-def _per_setting(rows: list[dict]) -> tuple[str, list[float]]:
-    """Per set-up and async setting: the median (min-max) over rounds of the measured async / sync ratio
-    (each round's sync is its own baseline) against the predicted ratio, and the error of the median."""
+def _sync_spread(rows: list[dict]) -> str:
+    parts = []
+    for setup in sorted({r["setup"] for r in rows}):
+        vals = [r["measured"] for r in rows if r["setup"] == setup and r["setting"] == "sync"]
+        if len(vals) > 1:
+            parts.append(f"{setup} {100 * (max(vals) / min(vals) - 1):.0f}%")
+    return ", ".join(parts) or "n/a (one round)"
+
+
+def _per_setting(rows: list[dict]) -> tuple[str, list[float], list[float]]:
+    """Per set-up and async setting: the median over rounds of the measured async / sync ratio (each round's
+    sync is its own baseline) against the median predicted and forecast ratios, and their errors."""
     keys = sorted({(r["setup"], r["setting"]) for r in rows if "error" in r and r["setting"] != "sync"})
-    if not keys:
-        return "", []
-    lines = ["| set-up | setting | rounds | measured vs sync, median (min-max) | predicted vs sync | error of the median |",
-             "|" + "---|" * 6]
-    errors = []
+    lines = ["| set-up | setting | rounds | measured vs sync, median (min-max) | predicted | error | forecast | error |",
+             "|" + "---|" * 8]
+    errors, forecast_errors = [], []
     for setup, setting in keys:
         same = [r for r in rows if (r["setup"], r["setting"]) == (setup, setting) and "error" in r]
         measured = [r["measured_ratio"] for r in same]
-        med, predicted = float(np.median(measured)), float(np.median([r["predicted_ratio"] for r in same]))
-        errors.append(abs(predicted - med) / med)
-        lines.append(f"| {setup} | {setting} | {len(same)} | {med:.2f}x ({min(measured):.2f}-{max(measured):.2f}) | "
-                     f"{predicted:.2f}x | {100 * errors[-1]:.0f}% |")
-    return "\n".join(lines), errors
-
-
-def _train_s_per_token(run_dir: Path) -> float:
-    from async_rl.utils.metrics import read_jsonl
-
-    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl")[1:] if r.get("train/batch_tokens")]
-    return float(np.mean([r["timing/train_s"] / r["train/batch_tokens"] for r in rows])) if rows else float("nan")
+        med = float(np.median(measured))
+        predicted = float(np.median([r["predicted_ratio"] for r in same]))
+        forecast = float(np.median([r["forecast_ratio"] for r in same]))
+        err, ferr = abs(predicted - med) / med, abs(forecast - med) / med
+        calibrated = all(r["calibrated_on"] for r in same)
+        if not calibrated:
+            errors.append(err)
+            forecast_errors.append(ferr)
+        lines.append(f"| {setup} | {setting}{' (calibrated on)' if calibrated else ''} | {len(same)} | {med:.2f}x "
+                     f"({min(measured):.2f}-{max(measured):.2f}) | {predicted:.2f}x | {100 * err:.0f}% | "
+                     f"{forecast:.2f}x | {100 * ferr:.0f}% |")
+    return "\n".join(lines), errors or [float("nan")], forecast_errors or [float("nan")]
 
 
 def main() -> None:
@@ -168,9 +189,11 @@ def main() -> None:
     ap.add_argument("--eta", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the steady window (default 3, 2 quick)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of async_vs_sync.py (each setting once a round)")
-    ap.add_argument("--calibrate-on", nargs="+", default=["pools_sync_0_r0", "shared_sync_0_r0"],
-                    help="the runs under runs/bench the profile is fitted to (pooled; default: the two sync runs, one "
-                         "pinned to a core a side and one on both cores, so speed on 1 and 2 cores is measured)")
+    ap.add_argument("--calibrate-on", nargs="+", default=["pools_sync_0_{round}", "shared_sync_0_{round}",
+                                                          "pools_async_2_{round}", "shared_async_2_{round}"],
+                    help="the runs under runs/bench each round's profile is fitted to ({round}: that round; default: "
+                         "the two sync runs, pinned to a core a side and on both cores, for the speeds on 1 and 2 "
+                         "cores, and the two eta=2 runs for how much each side slows the other)")
     ap.add_argument("--seeds", type=int, default=3, help="simulations averaged per prediction")
     ap.add_argument("--skip-publications", action="store_true")
     ap.add_argument("--name", default="sim_validation", help="results file name under benchmarks/results/")
@@ -179,9 +202,15 @@ def main() -> None:
     if not args.reuse:
         run_benchmark(args)
     machine_text, rows = this_machine(args)
+    cfg = config_from_yaml_text((BENCH / rows[0]["run"] / "config.yaml").read_text())
+    workload = (f"Workload of the runs: {cfg.model.name}, {cfg.total_steps} steps of {cfg.trainer.batch_size} "
+                f"trajectories, learning {'on (lr ' + format(cfg.trainer.lr, 'g') + ')' if cfg.trainer.lr > 0 else 'off'}"
+                f", trainer.stale_tokens={cfg.trainer.stale_tokens}, rollout.restart_stale="
+                f"{str(cfg.rollout.restart_stale).lower()}.\n\n")
     reused = ("The runs were made earlier (`--reuse`): " + ", ".join(
         f"{r['run']} {r['measured']:.1f} traj/s" for r in rows) + ".\n\n") if args.reuse else ""
-    sections = ["## This machine: calibrated on the sync runs, predicting the async ones\n\n" + reused + machine_text]
+    sections = ["## This machine: calibrated on the sync and eta=2 runs of each round, predicting the others\n\n"
+                + workload + reused + machine_text]
     data = {"this_machine": rows}
     if not args.skip_publications:
         for name, section in (("areal", areal_section), ("verl", verl_section)):

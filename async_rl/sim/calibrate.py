@@ -2,6 +2,7 @@
 
     profile = calibrate("runs/bench/pools_sync_0")                                # one run
     profile = calibrate("runs/bench/pools_sync_0", "runs/bench/shared_sync_0")   # pooled: 1 and 2 cores
+    profile = calibrate(..., "runs/bench/pools_async_2", "runs/bench/shared_async_2")  # + overlap factors
     save_profile(profile, "configs/sim/cpu_bench.yaml")
 
 - engine: the servers' step timings by (torch threads, batch) (`engine/step_t*` sums in
@@ -12,6 +13,10 @@
 - trainer: `timing/train_s` against `train/batch_tokens` (and `timing/train_threads`, for `scaling`);
 - sync: the trainer's `timing/publish_s` and the rollout side's `sync/update_s` (median);
 - lengths: every arrival's `train/response_lens` (empirical), `train/prompt_len_mean`;
+- overlap: given sync runs and async ones, speeds come from the sync runs (the sides take turns) and
+  each async run measures how much slower each side works while the other works too, on the same
+  machine's cores (`engine/trainer.overlap_pools|overlap_shared`; shared caches, memory bandwidth,
+  threads over the cores); lengths then come from the sync runs too;
 - config: the run's batch size, group size, staleness bound, ... from its config.yaml;
 - measured: what the run achieved (throughput, staleness), to check a prediction against.
 """
@@ -28,7 +33,7 @@ import numpy as np
 
 from async_rl.config import config_from_yaml_text
 from async_rl.sim.lengths import LengthDist
-from async_rl.sim.profile import EngineProfile, Profile, SyncProfile, TrainerProfile
+from async_rl.sim.profile import EngineProfile, Profile, SyncProfile, TrainerProfile, speed_on
 from async_rl.utils.metrics import read_jsonl
 
 _STEP_KEY = re.compile(r"^engine/step_t(\d+)_b(\d+)_(n|s|seqs|ctx|prefill)$")
@@ -45,16 +50,23 @@ def calibrate(*run_dirs: str | Path) -> Profile:
         raise ValueError("sim calibrate: expected at least one RUN_DIR")
     runs = [_read(Path(d)) for d in run_dirs]
     run, cfg, rows, rollout_rows = runs[0]
+    # speeds come from the runs where the two sides never work at once (sync); an async run among
+    # several then measures only how much each side slows the other (the overlap factors)
+    alone = [r for r in runs if r[1].mode == "sync"]
+    together = [r for r in runs if r[1].mode != "sync"] if alone else []
+    base = alone or runs
     sums: dict[tuple[int, int, str], float] = defaultdict(float)
-    for _, _, _, more in runs:
+    for _, _, _, more in base:
         for key, value in _last_profile(more).items():
             sums[key] += value
     engine, engine_fit = _engine(dict(sums), cfg)
-    trainer, trainer_fit = _trainer([r for _, _, rs, _ in runs for r in (rs[1:] if len(rs) > 2 else rs)])
+    trainer, trainer_fit = _trainer([r for _, _, rs, _ in base for r in (rs[1:] if len(rs) > 2 else rs)])
+    overlap_fit = _overlap(engine, trainer, together)
     updates = [r["sync/update_s"] for _, _, _, more in runs for r in more if "sync/update_s" in r]
     sync = SyncProfile(publish_s=_median([r.get("timing/publish_s", 0.0) for _, _, rs, _ in runs for r in rs]),
                        load_s=_median(updates), recompute=True)
-    lengths = [int(n) for _, _, rs, _ in runs for r in rs for n in r["train/response_lens"]]
+    # the lengths of the runs the speeds come from: what the workload is before asynchrony changes it
+    lengths = [int(n) for _, _, rs, _ in base for r in rs for n in r["train/response_lens"]]
     prompt = max(1, round(float(np.mean([r.get("train/prompt_len_mean", 1.0) for r in rows]))))
     config = {key: _get(cfg, key) for key in CONFIG_KEYS}
     return Profile(
@@ -66,7 +78,7 @@ def calibrate(*run_dirs: str | Path) -> Profile:
         engine=engine, trainer=trainer, sync=sync,
         response=LengthDist(kind="empirical", samples=lengths, max=cfg.rollout.max_new_tokens),
         prompt_len=prompt, config=config, measured={**_measured(run, rows, rollout_rows, cfg), **engine_fit,
-                                                    **trainer_fit})
+                                                    **trainer_fit, **overlap_fit})
 
 
 def _read(run: Path) -> tuple[Path, Any, list[dict], list[dict]]:
@@ -145,6 +157,39 @@ def _trainer(rows: list[dict]) -> tuple[TrainerProfile, dict]:
         scaling = float(np.clip(np.median(logs), -3.0, 1.5))
     return (TrainerProfile(step_overhead_s=float(overhead), per_token_s=float(per_token), units=ref, scaling=scaling),
             {"trainer_threads_seen": sorted({round(float(t), 1) for t in threads}), "trainer_scaling_measured": seen})
+
+
+def _overlap(engine: EngineProfile, trainer: TrainerProfile, runs: list) -> dict:
+    """Set the profile's overlap factors from async runs (both sides at work at once), by placement: each
+    side's measured time against what the alone-fitted profile predicts for the same work, the excess put on
+    the share of the run during which the other side was busy. Returns what was measured."""
+    found: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for run, cfg, rows, rollout_rows in runs:
+        kind = "pools" if (cfg.cores.engine or cfg.cores.trainer) else "shared"
+        started = next((r["time"] for r in rollout_rows if "rollout/generation_started" in r), None)
+        wall = rows[-1]["time"] - started if started is not None else 0.0
+        steps = _last_profile(rollout_rows)
+        if wall <= 0 or not steps:
+            continue
+        train_s = sum(r["timing/train_s"] for r in rows)
+        engine_s = sum(v for k, v in steps.items() if k[2] == "s")
+        predicted_engine = sum((engine.step_base_s * steps[(t, b, "n")] + engine.per_seq_s * steps[(t, b, "seqs")]
+                                + engine.per_ctx_token_s * steps[(t, b, "ctx")]
+                                + engine.per_prefill_token_s * steps[(t, b, "prefill")])
+                               / speed_on(t, engine.units, engine.scaling) for t, b, f in steps if f == "n")
+        predicted_train = sum(trainer.step_s(r["train/batch_tokens"], r.get("timing/train_threads", trainer.units))
+                              for r in rows)
+        # measured = predicted x (1 + (k - 1) x share of the time the other side was busy)
+        for side, measured, predicted, other_busy in (("engine", engine_s, predicted_engine, train_s / wall),
+                                                      ("trainer", train_s, predicted_train, engine_s / wall)):
+            if predicted > 0 and other_busy > 0.05:
+                found[side][kind].append(1.0 + max(0.0, measured / predicted - 1.0) / min(1.0, other_busy))
+    out = {}
+    for side, profile in (("engine", engine), ("trainer", trainer)):
+        for kind, factors in found[side].items():
+            setattr(profile, f"overlap_{kind}", float(np.median(factors)))
+            out[f"{side}_overlap_{kind}"] = float(np.median(factors))
+    return out
 
 
 def _scaling(data: dict[int, np.ndarray], ref: int, predict, actual, weight) -> tuple[float, bool]:

@@ -39,6 +39,11 @@ class EngineProfile:
     scaling: float = 1.0  # speed on u units instead of `units`: (u / units) ** scaling (CPU cores lent)
     max_running: int = 64  # sequences decoded together (KV capacity at the mean context on a GPU)
     max_tokens_per_step: int = 2048
+    # CPU cores only: how much slower a step runs while the trainer works on the same machine at the
+    # same time (shared caches and memory bandwidth; threads over the cores when they share them), by
+    # placement. 1 = no effect (GPUs: separate devices). Measured by calibrating on an async run.
+    overlap_pools: float = 1.0
+    overlap_shared: float = 1.0
 
     def step_s(self, seqs: int, ctx: float, prefill: float, speed: float = 1.0) -> float:
         return (self.step_base_s + self.per_seq_s * seqs + self.per_ctx_token_s * ctx
@@ -53,6 +58,8 @@ class TrainerProfile:
     per_token_s: float = 0.0  # seconds per batch token on `units` devices
     units: int = 1
     scaling: float = 1.0  # speed on u units: (u / units) ** scaling (1 = perfect data parallelism)
+    overlap_pools: float = 1.0  # CPU cores only: slowdown while the engine works at the same time (see engine)
+    overlap_shared: float = 1.0
 
     def step_s(self, tokens: float, units: float | None = None) -> float:
         speed = speed_on(units, self.units, self.scaling)
@@ -99,6 +106,10 @@ class Profile:
             raise ValueError("engine: a step takes no time (set step_base_s or per_seq_s > 0)")
         if self.trainer.step_s(1) <= 0 or self.trainer.per_token_s < 0 or self.trainer.step_overhead_s < 0:
             raise ValueError("trainer: step_overhead_s and per_token_s must be >= 0, not both 0")
+        for part in ("engine", "trainer"):
+            for key in ("overlap_pools", "overlap_shared"):
+                if getattr(getattr(self, part), key) < 1:
+                    raise ValueError(f"{part}.{key}: a slowdown, must be >= 1, got {getattr(getattr(self, part), key)}")
         for key in ("units", "max_running", "max_tokens_per_step"):
             if getattr(self.engine, key) < 1:
                 raise ValueError(f"engine.{key}: must be >= 1, got {getattr(self.engine, key)}")

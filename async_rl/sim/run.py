@@ -167,20 +167,26 @@ def simulate(profile: Profile, cfg: Config, placement: Placement, seed: int = 0,
     state = _Sharing(placement, cfg.mode, profile.units == "core")
     per_server = rollout_units / n_servers
 
+    # CPU cores: a side runs slower while the other works at the same moment (profile.*.overlap_*)
+    one_machine = profile.units == "core"
+    engine_overlap = (e.overlap_shared if placement.kind == "shared" else e.overlap_pools) if one_machine else 1.0
+    trainer_overlap = (t.overlap_shared if placement.kind == "shared" else t.overlap_pools) if one_machine else 1.0
+
     def engine_speed() -> float:
         units = state.engine_units(trainer.busy) if state.cores else per_server
-        return speed_on(units, e.units, e.scaling)
+        return speed_on(units, e.units, e.scaling) / (engine_overlap if trainer.busy else 1.0)
 
     def trainer_speed() -> float:
-        units = state.trainer_units(any(s.busy for s in servers)) if state.cores else trainer_units
-        return speed_on(units, t.units, t.scaling)
+        engine_busy = any(s.busy for s in servers)
+        units = state.trainer_units(engine_busy) if state.cores else trainer_units
+        return speed_on(units, t.units, t.scaling) / (trainer_overlap if engine_busy else 1.0)
 
     def engine_busy_changed(_server: SimServer) -> None:
-        if state.cores:
+        if state.cores or trainer_overlap != 1.0:
             trainer.replan()
 
     def trainer_busy_changed() -> None:
-        if state.cores:
+        if state.cores or engine_overlap != 1.0:
             for s in servers:
                 s.poke()
 

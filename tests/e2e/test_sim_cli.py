@@ -70,5 +70,6 @@ def test_a_bad_profile_names_the_key(tmp_path):
     bad.write_text(yaml.safe_dump(data))
     res = cli_here("sim", "--profile", str(bad), "--gpus", "8")
     assert res.returncode == 2 and res.stderr.strip() == (
-        "error: engine.warp_speed: unknown key (known: max_running, max_tokens_per_step, per_ctx_token_s, "
+        "error: engine.warp_speed: unknown key (known: max_running, max_tokens_per_step, overlap_pools, "
+        "overlap_shared, per_ctx_token_s, "
         "per_prefill_token_s, per_seq_s, scaling, step_base_s, units)")

@@ -120,3 +120,31 @@ def test_bad_profiles_name_the_key(bad, match):
     data = {**_dict(profile()), **bad}
     with pytest.raises(ValueError, match=match):
         profile_from_dict(data)
+
+
+def test_overlap_slows_a_side_only_while_the_other_works_on_the_same_cores():
+    """Sync never runs the two sides at once: the overlap factors change nothing. Async on CPU pools
+    generation-bound: the engine is slowed while the trainer works, so steps take longer, but no
+    longer than if every step were slowed; on GPUs (separate devices) the factors do nothing."""
+    g, t = L * A * B, C * B * (P + L)
+    slow = _dict(profile())
+    slow["engine"] = {**slow["engine"], "overlap_pools": 2.0}
+    slow["trainer"] = {**slow["trainer"], "overlap_pools": 3.0}
+    slow = profile_from_dict(slow)
+    assert run(slow, "sync", 0, steps=7).wall_s == pytest.approx(7 * (g + t), rel=1e-9)
+    fast, slowed = run(profile(), "async", 2, steps=30), run(slow, "async", 2, steps=30)
+    period = lambda r: (r.records[-1].end_s - r.records[-19].end_s) / 18  # noqa: E731 (3 cycles of 2 (eta + 1))
+    assert period(fast) == pytest.approx(g, rel=1e-9)
+    assert g * 1.01 < period(slowed) <= 2 * g + 3 * t
+    on_gpus = [profile_from_dict({**_dict(p), "units": "gpu"}) for p in (profile(), slow)]
+    assert run(on_gpus[1], "async", 2, steps=30).wall_s == pytest.approx(run(on_gpus[0], "async", 2, steps=30).wall_s,
+                                                                         rel=1e-9)
+
+
+def test_a_sequence_of_lengths_is_replayed_in_order():
+    from async_rl.sim.lengths import LengthDist
+
+    draw = LengthDist(kind="sequence", samples=[5, 1, 9], max=8).sampler(None)
+    assert [draw() for _ in range(7)] == [5, 1, 8, 5, 1, 8, 5]  # capped at max, then over again
+    p = profile_from_dict({**_dict(profile()), "response": {"kind": "sequence", "samples": [L]}})
+    assert run(p, "sync", 0, steps=3).wall_s == pytest.approx(run(profile(), "sync", 0, steps=3).wall_s, rel=1e-12)

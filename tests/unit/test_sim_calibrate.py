@@ -48,3 +48,37 @@ def test_calibration_recovers_the_speeds_a_run_was_written_with(tmp_path):
     assert profile.prompt_len == 6 and profile.config["max_staleness"] == 2
     assert profile.measured["staleness_hist"] == [8, 24, 0, 0]
     assert profile.measured["trained_traj_per_s"] == pytest.approx(32 / (170.0 - 99.0))
+
+
+def test_an_async_run_beside_a_sync_one_measures_how_much_each_side_slows_the_other(tmp_path):
+    """Speeds from the sync run; the async run, written with the engine 1.5x and the trainer 2x slower than
+    those speeds while both worked the whole time (the engine's steps add up to more than the run), gives the
+    overlap factors for its placement (shared)."""
+    runs = []
+    for mode, k_engine, k_trainer in (("sync", 1.0, 1.0), ("async", 1.5, 2.0)):
+        d = tmp_path / mode
+        save_config(load_config(None, [f"mode={mode}", "max_staleness=2", "trainer.batch_size=4",
+                                       "rollout.group_size=2"]), d)
+        rows, now = [], 0.0
+        for step in range(8):
+            tokens = 400 + 50 * step
+            train_s = k_trainer * (OVERHEAD + PER_TOKEN * tokens)
+            now += train_s  # the trainer never waits: busy the whole run
+            rows.append({"step": step, "time": now, "train/batch_tokens": tokens, "timing/train_s": train_s,
+                         "timing/train_threads": 1, "timing/publish_s": 0.0, "train/num_trajectories": 4,
+                         "train/response_lens": [3 if mode == "sync" else 1] * 4, "train/prompt_len_mean": 6.0})
+        more = 1 if mode == "sync" else 10  # 10x the engine steps: busy all along
+        engine = {k: v * more * (k_engine if k.endswith("_s") else 1.0) for k, v in _engine_row(1).items()}
+        rollout = [{"time": 0.0, "rollout/generation_started": 1.0}, {"time": now, **engine}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "rollout_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollout))
+        runs.append(d)
+    alone = calibrate(runs[0])
+    both = calibrate(*runs)
+    assert (alone.engine.overlap_shared, alone.trainer.overlap_shared) == (1.0, 1.0)
+    assert both.engine.per_seq_s == pytest.approx(PER_SEQ, rel=1e-6)  # the speeds: from the sync run only
+    assert both.trainer.per_token_s == pytest.approx(PER_TOKEN, rel=1e-6)
+    assert both.engine.overlap_shared == pytest.approx(1.5, rel=1e-6)
+    assert both.trainer.overlap_shared == pytest.approx(2.0, rel=1e-6)
+    assert both.engine.overlap_pools == both.trainer.overlap_pools == 1.0
+    assert set(both.response.samples) == {3}  # the lengths of the workload before asynchrony changed them
