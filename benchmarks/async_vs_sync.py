@@ -168,6 +168,7 @@ def main() -> None:
                     help="rounds of every setting (each round runs them all once, so drift hits every setting "
                          "alike); the table shows medians (min-max), ratios to sync taken within a round")
     ap.add_argument("--name", default="async_vs_sync", help="results file name under benchmarks/results/")
+    ap.add_argument("--runs", default="runs/bench", help="where the run directories go (SETUP_MODE_ETA_rROUND)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     ap.add_argument("--render", metavar="JSON", help="re-render the table of a saved results file, run nothing")
     args = ap.parse_args()
@@ -182,7 +183,7 @@ def main() -> None:
     for rnd in range(args.repeats):
         for setup in args.setups:
             for mode, eta in [("sync", 0)] + [("async", e) for e in args.eta]:
-                run_dir = ROOT / "runs" / "bench" / f"{setup}_{mode}_{eta}_r{rnd}"
+                run_dir = ROOT / args.runs / f"{setup}_{mode}_{eta}_r{rnd}"
                 print(f"round {rnd + 1}/{args.repeats} {setup}: {mode} eta={eta} ...", flush=True)
                 results.append(run_one(args.config, args.steps, setup, mode, eta, run_dir, args.warmup,
                                        args.overrides) | {"round": rnd})

@@ -85,7 +85,7 @@ def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:
                 if r.get(key) is not None and (measured is None or r.get(measured, 0) > 0)]
         return statistics.mean(vals) if vals else float("nan")
 
-    return {"setting": label, "seed": seed, "eval_n": after["eval/n"], "acc_before": before["eval/accuracy"],
+    return {"setting": label, "seed": seed, "steps": len(steps), "eval_n": after["eval/n"], "acc_before": before["eval/accuracy"],
             "acc_after": after["eval/accuracy"], "acc_last3": statistics.mean(a for _, a in curve[-3:]),
             "acc_peak": max(a for _, a in curve), "curve": curve,
             "reward": [(r["step"], r["train/reward_mean"]) for r in steps],
@@ -154,16 +154,25 @@ def main() -> None:
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--name", default="learning")
     ap.add_argument("--reuse", action="store_true",
-                    help="keep the rows of runs already finished under runs/NAME/ (continue an interrupted table)")
+                    help="keep the rows of runs already finished under runs/NAME/, or in benchmarks/results/NAME.json "
+                         "at the same --steps (continue an interrupted table)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
     rows = []
+    # rows of an earlier table (a fresh clone has no runs/): reused by --reuse like the run directories' own
+    results = ROOT / "benchmarks" / "results" / f"{args.name}.json"
+    earlier = json.loads(results.read_text()) if args.reuse and results.is_file() else {}
+    published = ({(r["setting"], r["seed"]): r for r in earlier.get("rows", [])}
+                 if (earlier.get("steps"), earlier.get("config"), earlier.get("overrides")) == (args.steps, args.config,
+                                                                                args.overrides) else {})
     for label in args.settings:
         for seed in args.seeds:
             run_dir = ROOT / "runs" / args.name / f"{label}_s{seed}"
             saved = run_dir / "learning_row.json"
             if args.reuse and saved.is_file():
                 rows.append(json.loads(saved.read_text()))
+            elif (label, seed) in published:
+                rows.append(published[(label, seed)])
             else:
                 rows.append(run_one(args, label, seed, run_dir))
                 saved.write_text(json.dumps(rows[-1]))

@@ -15,6 +15,8 @@ AReaL's 2.77x (1.5B, 128 H800) and the shape of its eta sweep; verl's fully-asyn
     python benchmarks/sim_validation.py            # 20-step runs, eta 0 1 2 4 8 (long; a quiet machine)
     python benchmarks/sim_validation.py --quick    # 8-step runs, sync and eta 2 (the small form)
     python benchmarks/sim_validation.py --reuse    # the runs already under runs/bench, nothing new is run
+    python benchmarks/sim_validation.py --eta 1 2 4 8 --repeats 3 --runs runs/bench_frozen \
+        --name sim_validation_frozen trainer.lr=0                # a frozen policy: lengths do not drift
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ from benchmarks.async_vs_sync import SETUPS, measure  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from benchmarks.sim_publications import areal_section, verl_section  # noqa: E402
 
-BENCH = ROOT / "runs" / "bench"
+BENCH = ROOT / "runs" / "bench"  # --runs
 
 
 def run_benchmark(args: argparse.Namespace) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "async_vs_sync.py"), "--name", "sim_validation_runs"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "async_vs_sync.py"), "--name", f"{args.name}_runs",
+           "--runs", str(BENCH)]
     cmd += ["--quick"] if args.quick else ["--steps", str(args.steps), "--eta", *map(str, args.eta)]
-    cmd += ["--repeats", str(args.repeats)]
+    cmd += ["--repeats", str(args.repeats), *args.overrides]
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -197,7 +200,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="simulations averaged per prediction")
     ap.add_argument("--skip-publications", action="store_true")
     ap.add_argument("--name", default="sim_validation", help="results file name under benchmarks/results/")
+    ap.add_argument("--runs", default="runs/bench", help="where the benchmark's run directories are (or go)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for every run of the benchmark (not with --reuse)")
     args = ap.parse_args()
+    global BENCH
+    BENCH = (ROOT / args.runs).resolve()
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     if not args.reuse:
         run_benchmark(args)
