@@ -54,6 +54,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"trainer: {t.step_overhead_s:.3f} s/step + {1e3 * t.per_token_s:.4f} ms/token on {t.units} "
           f"{profile.units}(s), scaling {t.scaling:.2f}; weight update: publish {profile.sync.publish_s:.3f} s, "
           f"load {profile.sync.load_s:.3f} s; {len(profile.response.samples)} response lengths")
+    overlap = {k: v for k, v in profile.measured.items() if "_overlap_" in k}
+    if overlap:  # an async run among the runs: how much each side slowed while the other worked
+        print("overlap (x slower while the other side works): " + ", ".join(
+            f"{k.replace('_overlap_', ' on ')} x{v:.2f}" for k, v in sorted(overlap.items())))
     print(f"profile: {out}")
     return 0
 
