@@ -140,8 +140,9 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
         f"(shared) while the trainer works; trainer {1e3 * t.per_token_s:.3f} ms/token + {t.step_overhead_s:.2f} "
         f"s/step (scaling {t.scaling:.2f}), slowed x{t.overlap_pools:.2f} / x{t.overlap_shared:.2f} while the engine "
         f"works. **Predicted**: each run simulated with the lengths it trained, in its order (the system model "
-        f"alone). **Forecast**: with the sync runs' lengths, as a user predicts before running: learning moves the "
-        f"lengths (these async policies drift to shorter answers), which no throughput model knows. Error of the "
+        f"alone). **Forecast**: with the sync runs' lengths, as a user predicts before running (a policy that learns "
+        f"moves its lengths, which no throughput model knows; mean response length of the sync runs "
+        f"{_mean_length(rows, 'sync'):.1f}, of the async ones {_mean_length(rows, 'async'):.1f}). Error of the "
         f"async / sync ratio per setting, the median over rounds, the settings calibrated on left out: predicted "
         f"mean {100 * np.mean(errors):.0f}%, max {100 * max(errors):.0f}% over {len(errors)} settings; forecast mean "
         f"{100 * np.mean(forecast_errors):.0f}%, max {100 * max(forecast_errors):.0f}% (target: 10%). Noise of the "
@@ -149,6 +150,10 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
         f"same lengths (the machine's speed drifts over minutes); load average when this was written: "
         f"{os.getloadavg()[0]:.1f} on {len(os.sched_getaffinity(0))} cores.") + "\n\n" + per_setting
     return text, rows
+
+
+def _mean_length(rows: list[dict], mode: str) -> float:
+    return float(np.mean([r["mean_length"] for r in rows if r["setting"].startswith(mode)] or [float("nan")]))
 
 
 def _sync_spread(rows: list[dict]) -> str:
