@@ -156,9 +156,13 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="keep the rows of runs already finished under runs/NAME/, or in benchmarks/results/NAME.json "
                          "at the same --steps (continue an interrupted table)")
+    ap.add_argument("--no-run", action="store_true",
+                    help="with --reuse: the table of the rows there are, running nothing (the missing ones are named)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args()
-    rows = []
+    if args.no_run and not args.reuse:
+        ap.error("--no-run: only with --reuse (the rows come from earlier runs)")
+    rows, missing = [], []
     # rows of an earlier table (a fresh clone has no runs/): reused by --reuse like the run directories' own
     results = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     earlier = json.loads(results.read_text()) if args.reuse and results.is_file() else {}
@@ -173,12 +177,17 @@ def main() -> None:
                 rows.append(json.loads(saved.read_text()))
             elif (label, seed) in published:
                 rows.append(published[(label, seed)])
+            elif args.no_run:
+                missing.append(f"{label} seed {seed}")
+                continue
             else:
                 rows.append(run_one(args, label, seed, run_dir))
                 saved.write_text(json.dumps(rows[-1]))
             r = rows[-1]
             print(f"{label} seed {seed}: accuracy {r['acc_before']:.3f} -> {r['acc_after']:.3f} "
                   f"(last 3 evals {r['acc_last3']:.3f}, peak {r['acc_peak']:.3f}), {r['wall_s']:.0f}s", flush=True)
+    if not rows:
+        raise SystemExit("no finished runs to tabulate (--no-run): run without it")
     text = table(rows)
     print(text)
     eval_n = rows[0]["eval_n"]
@@ -189,7 +198,8 @@ def main() -> None:
             "cells are the median over seeds (min-max). Log-prob mismatch: mean |log pi_trainer - log pi_engine| "
             "over tokens sampled by the trainer's own version, averaged over the steps that had such tokens; "
             "behaviour weight max: the largest pi_prox / pi_behav of any step; capped share: tokens whose weight "
-            "exceeded trainer.behav_weight_cap, averaged over steps.")
+            "exceeded trainer.behav_weight_cap, averaged over steps."
+            + (f" Not run yet: {', '.join(missing)}." if missing else ""))
     write_results(args.name, text + note, {"rows": rows, "steps": args.steps, "seeds": args.seeds,
                                            "config": args.config, "overrides": args.overrides})
     plot(rows, ROOT / "benchmarks" / "results" / f"{args.name}.png", eval_n)
