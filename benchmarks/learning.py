@@ -85,7 +85,7 @@ def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:
                 if r.get(key) is not None and (measured is None or r.get(measured, 0) > 0)]
         return statistics.mean(vals) if vals else float("nan")
 
-    return {"setting": label, "seed": seed, "steps": len(steps), "eval_n": after["eval/n"], "acc_before": before["eval/accuracy"],
+    return {"setting": label, "seed": seed, "eval_n": after["eval/n"], "acc_before": before["eval/accuracy"],
             "acc_after": after["eval/accuracy"], "acc_last3": statistics.mean(a for _, a in curve[-3:]),
             "acc_peak": max(a for _, a in curve), "curve": curve,
             "reward": [(r["step"], r["train/reward_mean"]) for r in steps],

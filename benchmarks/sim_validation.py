@@ -62,14 +62,13 @@ def placement_of(run_dir: Path) -> Placement:
     return Placement.shared(len(os.sched_getaffinity(0)))
 
 
-def predict(profile, run_dir: Path, seeds: int, warmup: int, own_lengths: bool = False) -> dict:
-    """The run predicted from `profile` with its own settings and placement; `own_lengths`: with the lengths
-    the run itself trained, in its order (the system model alone), else the profile's (a forecast)."""
+def predict(profile, run_dir: Path, seeds: int, warmup: int, lengths: list[int] | None = None) -> dict:
+    """The run predicted from `profile` with its own settings and placement; `lengths`: the lengths the run
+    itself trained, replayed in its order (the system model alone), else the profile's (a forecast)."""
     cfg = config_from_yaml_text((run_dir / "config.yaml").read_text())
-    if own_lengths:
+    if lengths is not None:
         profile = copy.deepcopy(profile)
-        profile.response = LengthDist(kind="sequence", max=profile.response.max, samples=[
-            int(n) for r in read_jsonl(run_dir / "metrics.jsonl") for n in r["train/response_lens"]])
+        profile.response = LengthDist(kind="sequence", max=profile.response.max, samples=lengths)
         seeds = 1  # nothing else is drawn at random
     overrides = [f"mode={cfg.mode}", f"max_staleness={cfg.max_staleness}", f"total_steps={cfg.total_steps}"]
     results = [simulate(profile, sim_config(profile, overrides), placement_of(run_dir), seed=s, warmup=warmup)
@@ -101,12 +100,12 @@ def this_machine(args: argparse.Namespace) -> tuple[str, list[dict]]:
     for run in runs:
         setup, mode, eta, rnd = run.name.split("_")  # async_vs_sync.py names them SETUP_MODE_ETA_rROUND
         measured = measure(run, args.warmup)
-        own = predict(profiles[rnd], run, args.seeds, args.warmup, own_lengths=True)
+        lengths = [int(n) for r in read_jsonl(run / "metrics.jsonl") for n in r["train/response_lens"]]
+        own = predict(profiles[rnd], run, args.seeds, args.warmup, lengths)
         forecast = predict(profiles[rnd], run, args.seeds, args.warmup)
         rows.append({"run": run.name, "setup": setup, "round": rnd, "setting": mode + (f" eta={eta}" if mode == "async" else ""),
                      "measured": measured["run_trained_traj_per_s"], "measured_hist": measured["staleness_hist"],
-                     "mean_length": float(np.mean([n for r in read_jsonl(run / "metrics.jsonl")
-                                                   for n in r["train/response_lens"]])),
+                     "mean_length": float(np.mean(lengths)),
                      "calibrated_on": run in calib[rnd], **{"predicted_" + k: v for k, v in own.items()},
                      **{"forecast_" + k: v for k, v in forecast.items()}})
     lines = ["| set-up | setting | round | mean length | measured traj/s | predicted traj/s | measured vs sync | "

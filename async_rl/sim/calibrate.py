@@ -165,25 +165,22 @@ def _overlap(engine: EngineProfile, trainer: TrainerProfile, runs: list) -> dict
     the share of the run during which the other side was busy. Returns what was measured."""
     found: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for run, cfg, rows, rollout_rows in runs:
-        kind = "pools" if (cfg.cores.engine or cfg.cores.trainer) else "shared"
-        started = next((r["time"] for r in rollout_rows if "rollout/generation_started" in r), None)
-        wall = rows[-1]["time"] - started if started is not None else 0.0
+        wall = _wall(rows, rollout_rows) or 0.0
         steps = _last_profile(rollout_rows)
         if wall <= 0 or not steps:
             continue
         train_s = sum(r["timing/train_s"] for r in rows)
         engine_s = sum(v for k, v in steps.items() if k[2] == "s")
-        predicted_engine = sum((engine.step_base_s * steps[(t, b, "n")] + engine.per_seq_s * steps[(t, b, "seqs")]
-                                + engine.per_ctx_token_s * steps[(t, b, "ctx")]
-                                + engine.per_prefill_token_s * steps[(t, b, "prefill")])
-                               / speed_on(t, engine.units, engine.scaling) for t, b, f in steps if f == "n")
+        predicted_engine = sum(engine.steps_s(*(steps[(t, b, f)] for f in ("n", "seqs", "ctx", "prefill")),
+                                              speed=speed_on(t, engine.units, engine.scaling))
+                               for t, b, f in steps if f == "n")
         predicted_train = sum(trainer.step_s(r["train/batch_tokens"], r.get("timing/train_threads", trainer.units))
                               for r in rows)
         # measured = predicted x (1 + (k - 1) x share of the time the other side was busy)
         for side, measured, predicted, other_busy in (("engine", engine_s, predicted_engine, train_s / wall),
                                                       ("trainer", train_s, predicted_train, engine_s / wall)):
             if predicted > 0 and other_busy > 0.05:
-                found[side][kind].append(1.0 + max(0.0, measured / predicted - 1.0) / min(1.0, other_busy))
+                found[side][_placement_kind(cfg)].append(1.0 + max(0.0, measured / predicted - 1.0) / min(1.0, other_busy))
     out = {}
     for side, profile in (("engine", engine), ("trainer", trainer)):
         for kind, factors in found[side].items():
@@ -220,14 +217,23 @@ def _nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np
     return coef
 
 
-def _measured(run: Path, rows: list[dict], rollout_rows: list[dict], cfg: Any) -> dict[str, Any]:
+def _wall(rows: list[dict], rollout_rows: list[dict]) -> float | None:
+    """Seconds from the rollout side's first generation to the last train step (None: not logged)."""
     started = next((r["time"] for r in rollout_rows if "rollout/generation_started" in r), None)
-    wall = rows[-1]["time"] - started if started is not None else None
+    return rows[-1]["time"] - started if started is not None else None
+
+
+def _placement_kind(cfg: Any) -> str:
+    return "pools" if cfg.cores.engine or cfg.cores.trainer else "shared"
+
+
+def _measured(run: Path, rows: list[dict], rollout_rows: list[dict], cfg: Any) -> dict[str, Any]:
+    wall = _wall(rows, rollout_rows)
     hist: list[int] = []
     for r in rows:
         h = r.get("train/staleness_hist") or []
         hist = [a + b for a, b in zip(hist + [0] * (len(h) - len(hist)), h + [0] * (len(hist) - len(h)))]
-    if cfg.cores.engine or cfg.cores.trainer:
+    if _placement_kind(cfg) == "pools":
         placement = {"kind": "pools", "rollout": max(1, len(cfg.cores.engine)), "trainer": max(1, len(cfg.cores.trainer))}
     else:
         placement = {"kind": "shared", "total": max([t for t, _, _ in _last_profile(rollout_rows)] or [1])}

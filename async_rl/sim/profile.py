@@ -46,7 +46,11 @@ class EngineProfile:
     overlap_shared: float = 1.0
 
     def step_s(self, seqs: int, ctx: float, prefill: float, speed: float = 1.0) -> float:
-        return (self.step_base_s + self.per_seq_s * seqs + self.per_ctx_token_s * ctx
+        return self.steps_s(1, seqs, ctx, prefill, speed)
+
+    def steps_s(self, steps: float, seqs: float, ctx: float, prefill: float, speed: float = 1.0) -> float:
+        """`steps` steps whose sequences, context and prefill tokens add up to seqs, ctx and prefill."""
+        return (self.step_base_s * steps + self.per_seq_s * seqs + self.per_ctx_token_s * ctx
                 + self.per_prefill_token_s * prefill) / speed
 
 

@@ -169,8 +169,8 @@ def simulate(profile: Profile, cfg: Config, placement: Placement, seed: int = 0,
 
     # CPU cores: a side runs slower while the other works at the same moment (profile.*.overlap_*)
     one_machine = profile.units == "core"
-    engine_overlap = (e.overlap_shared if placement.kind == "shared" else e.overlap_pools) if one_machine else 1.0
-    trainer_overlap = (t.overlap_shared if placement.kind == "shared" else t.overlap_pools) if one_machine else 1.0
+    engine_overlap = getattr(e, f"overlap_{placement.kind}") if one_machine else 1.0
+    trainer_overlap = getattr(t, f"overlap_{placement.kind}") if one_machine else 1.0
 
     def engine_speed() -> float:
         units = state.engine_units(trainer.busy) if state.cores else per_server
