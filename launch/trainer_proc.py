@@ -200,7 +200,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             stats["train/skipped_batches"] = skipped
             stats.update(_filtered_stats(filtered))
             t1 = time.perf_counter()
-            stats.update(publish_weights(publisher, queue, trainer.weights(), trainer.policy_version))
+            stats.update(rejoin.publish())
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
                           "timing/publish_s": time.perf_counter() - t1, "timing/step_s": time.perf_counter() - t0})
@@ -299,23 +299,33 @@ def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -
 
 
 class _Rejoin:
-    """Replays the current weights when a rollout side joins (or re-joins) a run in progress, so it
-    generates with the trainer's policy at once (its gate waits for them; see StalenessGate.join)."""
+    """Publishes each version, and replays the current one when a rollout side joins (or re-joins) a run
+    in progress after it was published, so that side generates with the trainer's policy at once (its
+    gate waits for them; see StalenessGate.join). A side connected when a version was published got it:
+    no replay for it (with `dist` a replay is a collective every server takes part in, not a broadcast
+    that a side holding the version may ignore)."""
 
     def __init__(self, queue: TrajectoryQueueServer, publisher: WeightPublisher, trainer) -> None:
         self.queue, self.publisher, self.trainer = queue, publisher, trainer
-        self.sessions = 0
+        self.sessions = 0  # sessions connected at the last publish (or seen by the last check)
+
+    def publish(self) -> dict[str, float]:
+        """Publish the trainer's current version; return its sync/ metrics."""
+        sessions = self.queue.stats().get("queue/sessions", 0)  # before: one that connects meanwhile is replayed to
+        stats = publish_weights(self.publisher, self.queue, self.trainer.weights(), self.trainer.policy_version)
+        self.sessions = max(self.sessions, sessions)
+        return stats
 
     def check(self) -> None:
         sessions = self.queue.stats().get("queue/sessions", 0)
         if sessions <= self.sessions:
             return
-        self.sessions = sessions
         if self.trainer.policy_version == 0:
+            self.sessions = sessions
             return  # a side that joins at the start already holds version 0
         logger.info("a rollout side joined at version %d: publishing the current weights again",
                     self.trainer.policy_version)
-        publish_weights(self.publisher, self.queue, self.trainer.weights(), self.trainer.policy_version)
+        self.publish()
 
 
 def _skip_batch(queue: TrajectoryQueueServer, n: int, version: int, skipped: int) -> None:

@@ -14,7 +14,10 @@ makes), and broadcast once, matching one `/update_weights_from_distributed` requ
 at `rank_offset + t`). The whole version must be broadcast within `weight_sync.deadline_s`;
 on any failure the group is aborted (`group.close(failed=True)`) and the error raised (the
 weights in use stay as they were everywhere); the next publish forms a fresh group under a
-new name. `master_address` is the host in `transport.addr`; for a wildcard bind it is left
+new name. The same version again is a replay for a rollout side that joined after it was
+published: that side's servers hold no rank in the current group (its peers may be dead), so
+the group is aborted and the replay forms a fresh one that every server joins.
+`master_address` is the host in `transport.addr`; for a wildcard bind it is left
 empty and the rollout side uses the host it reached the trainer's queue at.
 """
 
@@ -61,12 +64,15 @@ class DistWeightPublisher:
         self._group: Any = None
         self._name = ""
         self.stats: dict[str, float] = {}
+        group.close_at_exit(self.close)
 
     def publish(self, weights: Any, version: int) -> None:
         """Announce `version` over the queue, then broadcast it; returns None (the message already went).
         `weights`: a `WeightSource` (read tensor by tensor) or a state dict."""
         if isinstance(version, int):
-            check_newer(version, self.last_version, field="version", current_is="the last published")
+            check_newer(version, self.last_version, field="version", current_is="the last published", replay_ok=True)
+        if version == self.last_version and self._store is not None:
+            self.close(failed=True)  # a replay for a side that joined: a fresh group, every server in it
         t0 = time.perf_counter()
         source = as_source(weights)
         try:

@@ -31,6 +31,7 @@ class DistWeightGroups:
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.groups: dict[str, tuple[Any, float]] = {}  # name -> (group, timeout_s)
+        group.close_at_exit(self.close)
 
     def init(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
              backend: str, timeout_s: float) -> None:
@@ -44,6 +45,11 @@ class DistWeightGroups:
         if found is not None:
             group.close(found[0], failed=failed)
         return found is not None
+
+    def close(self) -> None:
+        """Destroy every group (and drop it)."""
+        for name in list(self.groups):
+            self.destroy(name)
 
     def receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 load_format: str | None) -> list[tuple[str, torch.Tensor]]:

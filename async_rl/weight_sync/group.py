@@ -16,16 +16,22 @@ NCCL group is built with `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (the watchdog abort
 communicator instead of killing the process) and non-blocking communicator init (a peer
 that never joins fails the wait instead of hanging it), its watchdog timeout a margin
 beyond the deadline as a backstop. A group that failed is aborted (`abort`), never just
-dropped. NCCL has not run in this project yet: these paths follow torch's and NCCL's
+dropped. Whatever holds groups registers its close with `close_at_exit`: a group still alive when
+the interpreter finalizes takes its gloo run-loop threads down with it, and one that reaches for the
+GIL then is made to exit mid-C++, aborting a process whose run succeeded ("terminate called
+without an active exception", exit -6). Closing is not enough: the group must be dropped (its
+threads end only with the object), so the holder's close lets go of it. NCCL has not run in this project yet: these paths follow torch's and NCCL's
 documented rules and carry `gpu`-marked tests.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +45,7 @@ BACKENDS = ("gloo", "nccl")
 NCCL_WATCHDOG_MARGIN_S = 30.0  # the watchdog fires this long after our own deadline: a backstop only
 _NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
 _POLL_S = 0.001
+_HOLDERS: list[weakref.WeakMethod] = []  # close methods of objects holding groups, run at exit
 
 
 def check_backend(backend: str) -> str:
@@ -191,3 +198,17 @@ def close(group: Any, failed: bool = False) -> None:
             group.shutdown()
     except (RuntimeError, ValueError, KeyError, AttributeError):  # best effort: it is dropped either way
         pass
+
+
+def close_at_exit(method: Any) -> None:
+    """Run `method` (the bound close of an object holding groups, which drops them) before the interpreter
+    finalizes, if that object is still alive then; held weakly, so it does not keep the object alive."""
+    _HOLDERS[:] = [ref for ref in _HOLDERS if ref() is not None]
+    _HOLDERS.append(weakref.WeakMethod(method))
+
+
+@atexit.register
+def _close_holders() -> None:
+    for ref in _HOLDERS:
+        if (method := ref()) is not None:
+            method()

@@ -28,14 +28,16 @@ def rollout_metrics(run_dir: Path) -> list[dict]:
 
 
 # at eta=4 the queue's default capacity (4 batches) would bound what is produced by itself: a larger
-# one leaves the bound to the staleness gate, whose checks (admission.py) then fail without it
-@pytest.mark.parametrize("mode,eta,extra", [("async", 1, []), ("async", 4, ["transport.capacity=1024"]),
-                                            ("sync", 0, [])])
+# one leaves the bound to the staleness gate, whose checks (admission.py) then fail without it; eta=1
+# moves the weights over a torch.distributed group (gloo), the GPU path's transport
+@pytest.mark.parametrize("mode,eta,extra", [("async", 1, ["weight_sync.transport=dist"]),
+                                            ("async", 4, ["transport.capacity=1024"]), ("sync", 0, [])])
 def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
     steps = 4
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"mode={mode}", f"max_staleness={eta}",
               f"total_steps={steps}", "log.progress=false", "rollout.eval_every=2", *extra, *gate_overrides())
     assert res.returncode == 0, res.stderr[-3000:]
+    assert not (tmp_path / "restarts.jsonl").exists(), res.stderr[-3000:]  # nothing crashed and was restarted
     rows = metrics(tmp_path)
     check_admission(rows, rollout_metrics(tmp_path), eta=eta, batch=64)  # what was produced, arrived and dropped
     assert [r["step"] for r in rows] == list(range(steps))

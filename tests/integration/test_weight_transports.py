@@ -14,12 +14,19 @@ bit-identical weights, a second version reuses the group, a server that never jo
 the update at the deadline with a clear error (the old weights stay), and the next version
 forms a fresh group that every server joins again. A trainer written for SGLang (one
 broadcast per tensor, `load_format` None) works too, and a version going backwards is refused.
+A process that exits holding dist groups (trainer and server side) drops them, their threads
+ended, before the interpreter finalizes (left to it, the process may abort after a good run).
 """
 
 import asyncio
+import os
 import queue as thread_queue
+import subprocess
+import sys
 import threading
 import time
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -372,3 +379,50 @@ def test_sglang_style_trainer_per_tensor_broadcast_and_bad_requests(servers):
 
     asyncio.run(drive())
     _assert_identical(engine, state)
+
+
+HOLDS_GROUPS_AT_EXIT = r"""
+import atexit, os, sys, threading
+sys.path.insert(0, os.getcwd())
+
+def gloo_threads():
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{task}/comm").read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sum(name.startswith(("pt_gloo", "gloo")) for name in names)
+
+atexit.register(lambda: print("at finalization:", gloo_threads(), flush=True))  # registered first: runs last
+import torch
+from async_rl.weight_sync.dist_publisher import DistWeightPublisher
+from async_rl.weight_sync.dist_server import DistWeightGroups
+
+announced = []
+publisher = DistWeightPublisher(announced.append, world_size=2, bucket_bytes=1 << 20, deadline_s=20)
+state = {"w": torch.arange(6, dtype=torch.float32)}
+thread = threading.Thread(target=publisher.publish, args=(state, 1))
+thread.start()
+while not announced:
+    threading.Event().wait(0.01)
+msg = announced[0]
+g = msg["group"]
+server = DistWeightGroups("cpu")
+server.init("127.0.0.1", g["master_port"], 1, 2, g["group_name"], "gloo", 20)
+got = server.receive(g["group_name"], msg["names"], msg["dtypes"], msg["shapes"], "flattened_bucket")
+thread.join()
+assert torch.equal(got[0][1], state["w"])
+print("while held:", gloo_threads(), flush=True)
+"""
+
+
+def test_a_process_holding_dist_groups_drops_them_before_the_interpreter_finalizes():
+    """Trainer and server side both hold a live gloo group when the script ends: each holder's close runs
+    at exit (weight_sync.group.close_at_exit) and the groups' threads are gone before finalization."""
+    out = subprocess.run([sys.executable, "-c", HOLDS_GROUPS_AT_EXIT], capture_output=True, text=True, timeout=120,
+                         cwd=str(Path(__file__).resolve().parents[2]), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(": ") for line in out.stdout.splitlines())
+    assert int(lines["while held"]) > 0  # the probe sees the groups' threads
+    assert lines["at finalization"] == "0", out.stdout
