@@ -11,7 +11,11 @@ runs per layer: the step's new K/V are written into the paged pool first, then
     no repeat of K/V);
   - each prefill chunk attends on its own (plain causal attention when nothing is
     cached before it, otherwise over its gathered KV with an offset causal mask).
-The index tensors of the gather and the masks are built once per step, not per layer.
+The index tensors of the gather and the masks are built once per step, not per layer; the gather
+copies whole blocks (`index_select`). Projections of one input run as one GEMM (q/k/v; gate/up):
+their weights are laid back to back in one tensor of which the modules' parameters are views,
+so a weight loaded into a parameter in place is what the fused GEMM reads; a parameter whose
+memory was replaced (`module.to`, `load_state_dict(assign=True)`) is laid out again at the next step.
 """
 
 from __future__ import annotations
@@ -89,6 +93,58 @@ class StepBatch:
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]  # (row0, n, blocks, mask)
 
 
+def _back_to_back(params: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor [sum of rows, ...] holding `params` in order, each of them a view of it; the memory they
+    already share when they lie back to back in it (laid out by an earlier runner of the same model)."""
+    first = params[0]
+    at = first.storage_offset()
+    for p in params:
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or p.storage_offset() != at:
+            break
+        at += p.numel()
+    else:
+        rows = sum(p.shape[0] for p in params)
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+    fused = torch.cat([p.detach() for p in params])
+    at = 0
+    for p in params:
+        p.data = fused[at:at + p.shape[0]].view_as(p)
+        at += p.shape[0]
+    return fused
+
+
+class _Fused:
+    """Linear layers applied to one input, run as one GEMM (see the module docstring); layers of which
+    some have a bias and some not run one by one."""
+
+    def __init__(self, linears: list[torch.nn.Module]):
+        self.linears = linears
+        self.sizes = [m.weight.shape[0] for m in linears]
+        self.ptrs: list[int] = []
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def _params(self) -> list[torch.Tensor | None]:
+        return [p for m in self.linears for p in (m.weight, getattr(m, "bias", None))]
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
+        if [0 if p is None else p.data_ptr() for p in self._params()] != self.ptrs:
+            self._lay_out()  # first use, or a parameter's memory replaced (or a bias added or removed)
+        if self.weight is None:
+            return [F.linear(h, m.weight, m.bias) for m in self.linears]
+        return F.linear(h, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def _lay_out(self) -> None:
+        biases = [getattr(m, "bias", None) for m in self.linears]
+        if all(b is None for b in biases) or None not in biases:
+            self.weight = _back_to_back([m.weight for m in self.linears])
+            self.bias = None if biases[0] is None else _back_to_back(biases)
+        else:
+            self.weight = self.bias = None
+        self.ptrs = [0 if p is None else p.data_ptr() for p in self._params()]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int):
         check_architecture(model)
@@ -110,6 +166,9 @@ class ModelRunner:
         # sequences yields [kv_heads, B, L, head_dim] directly, the layout the attention matmuls want
         self.kv = torch.zeros(self.num_layers, 2, self.num_kv_heads, num_blocks, block_size, self.head_dim,
                               dtype=self.dtype, device=self.device)
+        layers = model.model.layers
+        self.qkv = [_Fused([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj]) for m in layers]
+        self.gate_up = [_Fused([m.mlp.gate_proj, m.mlp.up_proj]) for m in layers]
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
@@ -205,7 +264,7 @@ class ModelRunner:
         sin = self.sin[batch.positions][:, None, :]
         for li, layer in enumerate(inner.layers):
             x = x + self._attention(li, layer.self_attn, self._rms_norm(x, layer.input_layernorm), cos, sin, batch)
-            x = x + self._mlp(layer.mlp, self._rms_norm(x, layer.post_attention_layernorm))
+            x = x + self._mlp(li, layer.mlp, self._rms_norm(x, layer.post_attention_layernorm))
         if len(batch.logit_rows) == 0:
             return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
         h = self._rms_norm(x[batch.logit_rows], inner.norm)
@@ -216,10 +275,8 @@ class ModelRunner:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return norm.weight * xf.to(x.dtype)
 
-    @staticmethod
-    def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
+    def _mlp(self, li: int, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up[li](h)
         return F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
 
     @staticmethod
@@ -231,9 +288,10 @@ class ModelRunner:
     def _attention(self, li: int, attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    batch: StepBatch) -> torch.Tensor:
         n = h.shape[0]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, self.num_heads, self.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, self.num_kv_heads, self.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv[li](h)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q = self._rotate(q, cos, sin)
         k = self._rotate(k, cos, sin)
         kvh, d = self.num_kv_heads, self.head_dim
@@ -248,8 +306,8 @@ class ModelRunner:
             if blocks is None:
                 keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [kvH, n, D]
             else:
-                keys = k_cache[:, blocks].flatten(1, 2)  # [kvH, L, D]
-                values = v_cache[:, blocks].flatten(1, 2)
+                keys = _gather(k_cache, blocks)  # [kvH, L, D]
+                values = _gather(v_cache, blocks)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None], keys[None], values[None],
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1)
@@ -261,8 +319,8 @@ class ModelRunner:
                           group: DecodeGroup) -> torch.Tensor:
         """q: [B, H, D], one query per sequence. Query heads are folded per KV head, so GQA repeats nothing."""
         b = q.shape[0]
-        keys = k_cache[:, group.blocks].flatten(2, 3)  # [kvH, B, L, D]
-        values = v_cache[:, group.blocks].flatten(2, 3)
+        keys = _gather(k_cache, group.blocks)  # [kvH, B, L, D]
+        values = _gather(v_cache, group.blocks)
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)  # [kvH, B, G, D]
         scores = torch.baddbmm(group.bias,
                                qg.reshape(-1, self.group, self.head_dim),
@@ -272,3 +330,10 @@ class ModelRunner:
         o = torch.bmm(probs, values.view(-1, values.shape[2], self.head_dim))  # [kvH * B, G, D]
         return o.view(self.num_kv_heads, b, self.group, self.head_dim).transpose(0, 1).reshape(
             b, self.num_heads, self.head_dim)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [kvH, blocks, block_size, D] at a block table `blocks` ([nb] or [B, nb]) -> [kvH, (B,) nb * block_size, D].
+    `index_select` copies whole blocks (memcpy per block); advanced indexing took ~3x as long on a CPU."""
+    kvh, _, bs, d = cache.shape
+    return cache.index_select(1, blocks.reshape(-1)).view(kvh, *blocks.shape[:-1], blocks.shape[-1] * bs, d)

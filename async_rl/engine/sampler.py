@@ -67,11 +67,12 @@ class Sampler:
         scaled = logits
         if any(t != 1.0 for t in inv_t):
             scaled = logits * torch.tensor(inv_t, dtype=logits.dtype, device=logits.device)[:, None]  # [S, V]
-        top_logit = scaled.max(dim=-1).values  # [S]
-        weights = torch.exp(scaled - top_logit[:, None])  # [S, V] unnormalised policy probabilities
+        top_logit, tokens = scaled.max(dim=-1)  # [S]; the argmax is what greedy rows keep
+        weights = torch.sub(scaled, top_logit[:, None]).exp_()  # [S, V] unnormalised policy probabilities
         lse = top_logit + weights.sum(dim=-1).log()  # log-normaliser of every row (the reported log-probs)
         drawn_from, weights = self._penalise(logits, scaled, weights, params, states, inv_t)
-        tokens = drawn_from.argmax(dim=-1)  # [S]: greedy rows keep the argmax
+        if drawn_from is not scaled and any(greedy):
+            tokens = drawn_from.argmax(dim=-1)
         sampled_rows = [i for i in range(rows) if not greedy[i]]
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device) if len(sampled_rows) < rows else None

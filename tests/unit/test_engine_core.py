@@ -292,6 +292,36 @@ def test_qwen2_biases_and_rope_theta_are_used(tok):
         assert max(abs(a - b) for a, b in zip(ref, outs[rid].output_logprobs)) <= 1e-4, rid
 
 
+def test_fused_projections_follow_parameters_replaced_or_biased_unevenly(model, tok):
+    """q/k/v and gate/up run as one GEMM over weights the modules' parameters are views of: a state dict
+    loaded with assign=True (new memory) is laid out again, and a layer whose projections have a bias on
+    some only runs them one by one; each time the log-probs are a fresh HF forward's."""
+    mine = copy.deepcopy(model)
+    engine = make_engine(mine, tok)
+    reqs = lambda tag: {f"{tag}{i}": (p, SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True))
+                        for i, p in enumerate(prompts(tok, 4))}
+
+    def check(tag):
+        outs = run(engine, reqs(tag))
+        for rid, (prompt, _) in reqs(tag).items():
+            ref = hf_logprobs(mine, prompt, outs[rid].output_ids, 1.0)
+            assert max(abs(a - b) for a, b in zip(ref, outs[rid].output_logprobs)) <= 1e-4, rid
+
+    check("a")
+    layer = mine.model.layers[0]
+    assert layer.self_attn.k_proj.weight.data_ptr() == \
+        layer.self_attn.q_proj.weight.data_ptr() + layer.self_attn.q_proj.weight.nbytes  # laid back to back
+    moved = {k: v + 0.05 * torch.randn_like(v) for k, v in mine.state_dict().items()}
+    mine.load_state_dict(moved, assign=True)  # every parameter in new memory
+    engine.commit_weights(1)
+    check("b")
+    with torch.no_grad():
+        layer.self_attn.k_proj.bias = torch.nn.Parameter(torch.randn(layer.self_attn.k_proj.weight.shape[0]))
+        layer.mlp.up_proj.bias = torch.nn.Parameter(torch.randn(layer.mlp.up_proj.weight.shape[0]))
+    engine.commit_weights(2)
+    check("c")
+
+
 def test_unsupported_architectures_are_rejected(tok):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     from async_rl.engine.model_runner import UnsupportedModelError
