@@ -16,6 +16,8 @@ copies whole blocks (`index_select`). Projections of one input run as one GEMM (
 their weights are laid back to back in one tensor of which the modules' parameters are views,
 so a weight loaded into a parameter in place is what the fused GEMM reads; a parameter whose
 memory was replaced (`module.to`, `load_state_dict(assign=True)`) is laid out again at the next step.
+In bf16 on a CPU every linear layer's weight is also held pre-packed for oneDNN (one more copy of
+the weights), packed again at the first step after any of its parameters changed.
 """
 
 from __future__ import annotations
@@ -114,35 +116,56 @@ def _back_to_back(params: list[torch.Tensor]) -> torch.Tensor:
     return fused
 
 
-class _Fused:
-    """Linear layers applied to one input, run as one GEMM (see the module docstring); layers of which
-    some have a bias and some not run one by one."""
+def _packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights are pre-packed for oneDNN: bf16 on a CPU whose torch has the ops (the same kernel as
+    `F.linear`, bit-identical results, without laying the weight out again on every call)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() \
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
-    def __init__(self, linears: list[torch.nn.Module]):
+
+class _Linear:
+    """Linear layers applied to one input, run as one GEMM (see the module docstring); layers of which
+    some have a bias and some not run one by one. With `pack`, the weight is also held pre-packed for
+    oneDNN, packed again whenever a parameter changes (in place too: its version counter moves)."""
+
+    def __init__(self, linears: list[torch.nn.Module], pack: bool = False):
         self.linears = linears
         self.sizes = [m.weight.shape[0] for m in linears]
-        self.ptrs: list[int] = []
+        self.pack = pack
+        self.state: list[tuple[int, int]] = []
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
 
-    def _params(self) -> list[torch.Tensor | None]:
-        return [p for m in self.linears for p in (m.weight, getattr(m, "bias", None))]
+    def _state(self) -> list[tuple[int, int]]:
+        return [(0, 0) if p is None else (p.data_ptr(), p._version)
+                for m in self.linears for p in (m.weight, getattr(m, "bias", None))]
 
     def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, ...] | list[torch.Tensor]:
-        if [0 if p is None else p.data_ptr() for p in self._params()] != self.ptrs:
-            self._lay_out()  # first use, or a parameter's memory replaced (or a bias added or removed)
+        if self._state() != self.state:
+            self._lay_out()  # first use, a weight loaded, a parameter's memory replaced, a bias added or removed
         if self.weight is None:
             return [F.linear(h, m.weight, m.bias) for m in self.linears]
-        return F.linear(h, self.weight, self.bias).split(self.sizes, dim=-1)
+        if self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(h, self.packed, self.bias, "none", [], "")
+        else:
+            out = F.linear(h, self.weight, self.bias)
+        return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
 
     def _lay_out(self) -> None:
         biases = [getattr(m, "bias", None) for m in self.linears]
+        self.packed = None
         if all(b is None for b in biases) or None not in biases:
-            self.weight = _back_to_back([m.weight for m in self.linears])
-            self.bias = None if biases[0] is None else _back_to_back(biases)
+            if len(self.linears) > 1:
+                self.weight = _back_to_back([m.weight for m in self.linears])
+                self.bias = None if biases[0] is None else _back_to_back(biases)
+            else:
+                self.weight, self.bias = self.linears[0].weight, biases[0]
+            if self.pack:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         else:
             self.weight = self.bias = None
-        self.ptrs = [0 if p is None else p.data_ptr() for p in self._params()]
+        self.state = self._state()
 
 
 class ModelRunner:
@@ -166,9 +189,12 @@ class ModelRunner:
         # sequences yields [kv_heads, B, L, head_dim] directly, the layout the attention matmuls want
         self.kv = torch.zeros(self.num_layers, 2, self.num_kv_heads, num_blocks, block_size, self.head_dim,
                               dtype=self.dtype, device=self.device)
-        layers = model.model.layers
-        self.qkv = [_Fused([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj]) for m in layers]
-        self.gate_up = [_Fused([m.mlp.gate_proj, m.mlp.up_proj]) for m in layers]
+        layers, pack = model.model.layers, _packs(self.device, self.dtype)
+        self.qkv = [_Linear([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj], pack) for m in layers]
+        self.o_proj = [_Linear([m.self_attn.o_proj], pack) for m in layers]
+        self.gate_up = [_Linear([m.mlp.gate_proj, m.mlp.up_proj], pack) for m in layers]
+        self.down = [_Linear([m.mlp.down_proj], pack) for m in layers]
+        self.lm_head = _Linear([model.lm_head], pack)
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
@@ -268,7 +294,7 @@ class ModelRunner:
         if len(batch.logit_rows) == 0:
             return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
         h = self._rms_norm(x[batch.logit_rows], inner.norm)
-        return F.linear(h, self.model.lm_head.weight, getattr(self.model.lm_head, "bias", None)).float()
+        return self.lm_head(h)[0].float()
 
     def _rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
         xf = x.float()
@@ -277,7 +303,7 @@ class ModelRunner:
 
     def _mlp(self, li: int, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[li](h)
-        return F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        return self.down[li](F.silu(gate) * up)[0]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -312,8 +338,7 @@ class ModelRunner:
                 q[rows].transpose(0, 1)[None], keys[None], values[None],
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1)
             out[rows] = o[0].transpose(0, 1)
-        o_proj = attn.o_proj
-        return F.linear(out.view(n, -1), o_proj.weight, o_proj.bias)
+        return self.o_proj[li](out.view(n, -1))[0]
 
     def _decode_attention(self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
                           group: DecodeGroup) -> torch.Tensor:
