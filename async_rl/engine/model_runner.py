@@ -78,7 +78,7 @@ def check_architecture(model: torch.nn.Module) -> None:
 class DecodeGroup:
     """Single-query sequences of similar context length, attended together over padded gathered KV."""
 
-    rows: torch.Tensor  # [B] rows of the flat batch
+    rows: slice  # B consecutive rows of the flat batch
     blocks: torch.Tensor  # [B, nb] block tables, padded with block 0
     bias: torch.Tensor  # [kvH * B, G, nb * block_size] 0 where a key exists, -inf on padding
 
@@ -232,18 +232,21 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        logit_rows: list[int] = []
         decodes: list[tuple[int, list[int], int]] = []  # (row, block table, context length)
         prefills = []
-        for c in chunks:
+        # the flat batch holds decodes first, shortest context first, so that each decode group is a run
+        # of consecutive rows (a slice, not a gather, per layer); logits come back in the chunks' order
+        order = sorted(range(len(chunks)), key=lambda i: (chunks[i].length != 1, chunks[i].start))
+        last_row = [0] * len(chunks)
+        for i in order:
+            c = chunks[i]
             row0 = len(ids)
             table = c.seq.block_table
             ids.extend(c.seq.token_ids[c.start:c.start + c.length])
             pos = range(c.start, c.start + c.length)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if c.samples:
-                logit_rows.append(row0 + c.length - 1)
+            last_row[i] = row0 + c.length - 1
             ctx = c.start + c.length
             if c.length == 1:
                 decodes.append((row0, table[:-(-ctx // bs)], ctx))
@@ -254,6 +257,7 @@ class ModelRunner:
                 q_pos = torch.arange(c.start, ctx, device=dev)[:, None]
                 mask = torch.arange(len(blocks) * bs, device=dev)[None, :] <= q_pos  # [n, L]
                 prefills.append((row0, c.length, blocks, mask))
+        logit_rows = [last_row[i] for i, c in enumerate(chunks) if c.samples]
         return StepBatch(
             input_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
             slots=torch.tensor(slots, device=dev), logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
@@ -276,7 +280,10 @@ class ModelRunner:
             keep = torch.arange(width * bs, device=dev)[None, :] < lens[:, None]  # [B, L]
             bias = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
             bias = bias[:, None, :].expand(-1, self.group, -1).repeat(self.num_kv_heads, 1, 1)
-            out.append(DecodeGroup(torch.tensor([r for r, _, _ in group], device=dev), tables, bias))
+            rows = [r for r, _, _ in group]
+            if rows != list(range(rows[0], rows[0] + len(rows))):  # prepare lays decodes out in this order
+                raise AssertionError(f"decode rows not consecutive: {rows[:8]}")
+            out.append(DecodeGroup(slice(rows[0], rows[0] + len(rows)), tables, bias))
         return out
 
     # ------------------------------------------------------------------ forward
