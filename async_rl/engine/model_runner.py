@@ -162,7 +162,11 @@ class _Linear:
             else:
                 self.weight, self.bias = self.linears[0].weight, biases[0]
             if self.pack:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+                try:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+                except RuntimeError as exc:  # a CPU oneDNN has no bf16 kernel for: F.linear as before
+                    logger.info("engine: weights not pre-packed (%s)", str(exc).splitlines()[0][:120])
+                    self.pack = False
         else:
             self.weight = self.bias = None
         self.state = self._state()
