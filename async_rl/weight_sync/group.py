@@ -16,7 +16,8 @@ NCCL group is built with `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (the watchdog abort
 communicator instead of killing the process) and non-blocking communicator init (a peer
 that never joins fails the wait instead of hanging it), its watchdog timeout a margin
 beyond the deadline as a backstop. A group that failed is aborted (`abort`), never just
-dropped. Whatever holds groups registers its close with `close_at_exit`: a group still alive when
+dropped. Whatever holds groups registers its close with `close_at_exit` (groups are aborted then: a
+peer may be gone, and NCCL's destroy can wait on it): a group still alive when
 the interpreter finalizes takes its gloo run-loop threads down with it, and one that reaches for the
 GIL then is made to exit mid-C++, aborting a process whose run succeeded ("terminate called
 without an active exception", exit -6). Closing is not enough: the group must be dropped (its
@@ -186,6 +187,7 @@ def close(group: Any, failed: bool = False) -> None:
     """Release a group: aborted when it failed (a peer may be stuck in it), destroyed otherwise."""
     if group is None:
         return
+    failed = failed or _EXITING
     registered = group in c10d._world.pg_map
     try:
         if failed and registered:
@@ -207,8 +209,13 @@ def close_at_exit(method: Any) -> None:
     _HOLDERS.append(weakref.WeakMethod(method))
 
 
+_EXITING = False  # set while the holders close at exit: groups are aborted then, never destroyed
+
+
 @atexit.register
 def _close_holders() -> None:
+    global _EXITING
+    _EXITING = True  # a peer may be gone by now: NCCL's destroy can wait on it, abort never does
     for ref in _HOLDERS:
         if (method := ref()) is not None:
             method()
