@@ -16,13 +16,14 @@ NCCL group is built with `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (the watchdog abort
 communicator instead of killing the process) and non-blocking communicator init (a peer
 that never joins fails the wait instead of hanging it), its watchdog timeout a margin
 beyond the deadline as a backstop. A group that failed is aborted (`abort`), never just
-dropped. Whatever holds groups registers its close with `close_at_exit` (groups are aborted then: a
-peer may be gone, and NCCL's destroy can wait on it): a group still alive when
-the interpreter finalizes takes its gloo run-loop threads down with it, and one that reaches for the
+dropped. Whatever holds groups registers its close with `close_at_exit` (groups are aborted
+then: a peer may be gone, and NCCL's destroy can wait on it): a group still alive when the
+interpreter finalizes takes its gloo run-loop threads down with it, and one that reaches for the
 GIL then is made to exit mid-C++, aborting a process whose run succeeded ("terminate called
 without an active exception", exit -6). Closing is not enough: the group must be dropped (its
-threads end only with the object), so the holder's close lets go of it. NCCL has not run in this project yet: these paths follow torch's and NCCL's
-documented rules and carry `gpu`-marked tests.
+threads end only with the object), so the holder's close lets go of it. NCCL has not run in
+this project yet: these paths follow torch's and NCCL's documented rules and carry
+`gpu`-marked tests.
 """
 
 from __future__ import annotations
