@@ -164,7 +164,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     tqdm.set_lock(threading.RLock())
     bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,
                dynamic_ncols=True)
-    rejoin = _Rejoin(queue, publisher, trainer)
+    versions = _Versions(queue, publisher, trainer)
     drain = Drain.install()  # SIGTERM: finish this step, checkpoint, tell the rollout side to stop
     skipped = 0
     try:
@@ -176,7 +176,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             filtered: list[list] = []
             try:
                 groups = _next_batch(queue, cfg, book, step, filtered,
-                                     on_tick=lambda: (rejoin.check(), book.note_sessions(), drain.check()))
+                                     on_tick=lambda: (versions.check(), book.note_sessions(), drain.check()))
             except DrainRequested:
                 break
             wait_s = time.perf_counter() - t0
@@ -200,7 +200,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             stats["train/skipped_batches"] = skipped
             stats.update(_filtered_stats(filtered))
             t1 = time.perf_counter()
-            stats.update(rejoin.publish())
+            stats.update(versions.publish())
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
                           "timing/publish_s": time.perf_counter() - t1, "timing/step_s": time.perf_counter() - t0})
@@ -298,7 +298,7 @@ def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -
     return step, PromptSet(above=prompts)
 
 
-class _Rejoin:
+class _Versions:
     """Publishes each version, and replays the current one when a rollout side joins (or re-joins) a run
     in progress after it was published, so that side generates with the trainer's policy at once (its
     gate waits for them; see StalenessGate.join). A side connected when a version was published got it:

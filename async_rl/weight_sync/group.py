@@ -48,6 +48,7 @@ NCCL_WATCHDOG_MARGIN_S = 30.0  # the watchdog fires this long after our own dead
 _NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
 _POLL_S = 0.001
 _HOLDERS: list[weakref.WeakMethod] = []  # close methods of objects holding groups, run at exit
+_EXITING = False  # set while the holders close at exit: groups are aborted then, never destroyed
 
 
 def check_backend(backend: str) -> str:
@@ -208,9 +209,6 @@ def close_at_exit(method: Any) -> None:
     finalizes, if that object is still alive then; held weakly, so it does not keep the object alive."""
     _HOLDERS[:] = [ref for ref in _HOLDERS if ref() is not None]
     _HOLDERS.append(weakref.WeakMethod(method))
-
-
-_EXITING = False  # set while the holders close at exit: groups are aborted then, never destroyed
 
 
 @atexit.register

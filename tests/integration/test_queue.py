@@ -400,23 +400,23 @@ class _Policy:
 
 
 def test_weights_are_replayed_to_a_side_that_joined_after_the_publish_and_to_no_other(loop):
-    from launch.trainer_proc import _Rejoin
+    from launch.trainer_proc import _Versions
 
     with TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8, **FAST) as server:
         publisher, policy = _RecordingPublisher(), _Policy()
-        rejoin = _Rejoin(server, publisher, policy)
+        versions = _Versions(server, publisher, policy)
         first = TrajectoryQueueClient(server.address, producer_id="first", **FAST)
         loop.run(first.connect(5))
         wait_until(lambda: server.stats()["queue/sessions"] == 1, 5, "the first session counted")
         policy.policy_version = 1  # trained before any check saw the side that was there from the start
-        rejoin.publish()
-        rejoin.check()
+        versions.publish()
+        versions.check()
         assert publisher.versions == [1]  # it got version 1 with everyone else: no replay (with dist: a collective)
         second = TrajectoryQueueClient(server.address, producer_id="second", **FAST)
         loop.run(second.connect(5))
         wait_until(lambda: server.stats()["queue/sessions"] == 2, 5, "the second session counted")
-        rejoin.check()
-        rejoin.check()
+        versions.check()
+        versions.check()
         assert publisher.versions == [1, 1]  # joined after version 1 went out: replayed to, once
         for client in (first, second):
             loop.run(client.close())
