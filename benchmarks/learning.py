@@ -94,6 +94,7 @@ def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:
             "mismatch_max": max((r.get("train/logprob_mismatch_max", 0.0) for r in steps), default=float("nan")),
             "behav_capped_frac": step_mean("train/behav_capped_frac"),
             "behav_weight_max": max((r.get("train/behav_weight_max", 0.0) for r in steps), default=float("nan")),
+            "staleness_mean": step_mean("train/staleness_mean"),
             "dropped_stale": sum(r.get("train/dropped_stale", 0) for r in steps), "wall_s": wall_s}
 
 
@@ -108,12 +109,31 @@ def _spread(values: list[float], spec: str = ".3f") -> str:
 
 
 COLUMNS = [("final accuracy", "acc_after", ".3f"), ("mean of last 3 evals", "acc_last3", ".3f"),
-           ("peak accuracy", "acc_peak", ".3f"), ("train s/step", "train_s_per_step", ".1f"),
+           ("peak accuracy", "acc_peak", ".3f"), ("mean staleness of trained data", "staleness_mean", ".2f"),
+           ("sync delayed by that staleness", "sync_delayed", ".3f"), ("train s/step", "train_s_per_step", ".1f"),
            ("log-prob mismatch, mean abs (lag 0)", "mismatch_mean", ".4f"),
            ("behaviour weight max", "behav_weight_max", ".2f"), ("capped share", "behav_capped_frac", ".4f")]
 
 
+def delay_sync(rows: list[dict]) -> None:
+    """Each row's `sync_delayed`: its seed's sync curve read at (its last step - its mean staleness).
+
+    Learning from data `s` versions old is, to first order, sync learning delayed by `s` steps; a setting
+    that ends near this figure loses no more than its lag, one well below it loses to something else.
+    Paired by seed (same initial weights and prompts), so the seeds' spread mostly cancels."""
+    sync = {r["seed"]: r["curve"] for r in rows if r["setting"] == "sync"}
+    for r in rows:
+        stale, curve = r.get("staleness_mean", float("nan")), sync.get(r["seed"])
+        if curve is None or stale != stale:
+            r["sync_delayed"] = float("nan")
+            continue
+        at = r["curve"][-1][0] - stale
+        r["sync_delayed"] = next(y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+                                 for (x0, y0), (x1, y1) in zip(curve, curve[1:]) if x0 <= at <= x1)
+
+
 def table(rows: list[dict]) -> str:
+    delay_sync(rows)
     lines = ["| setting | seeds | accuracy before | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
              "|---" * (3 + len(COLUMNS)) + "|"]
     for label in dict.fromkeys(r["setting"] for r in rows):
@@ -174,7 +194,10 @@ def main() -> None:
             run_dir = ROOT / "runs" / args.name / f"{label}_s{seed}"
             saved = run_dir / "learning_row.json"
             if args.reuse and saved.is_file():
-                rows.append(json.loads(saved.read_text()))
+                row = json.loads(saved.read_text())
+                if (run_dir / "metrics.jsonl").is_file():  # the run's own files are there: read them again
+                    row = summarise(label, seed, run_dir, row["wall_s"])
+                rows.append(row)
             elif (label, seed) in published:
                 rows.append(published[(label, seed)])
             elif args.no_run:
@@ -198,7 +221,10 @@ def main() -> None:
             "cells are the median over seeds (min-max). Log-prob mismatch: mean |log pi_trainer - log pi_engine| "
             "over tokens sampled by the trainer's own version, averaged over the steps that had such tokens; "
             "behaviour weight max: the largest pi_prox / pi_behav of any step; capped share: tokens whose weight "
-            "exceeded trainer.behav_weight_cap, averaged over steps."
+            "exceeded trainer.behav_weight_cap, averaged over steps. Mean staleness: versions between the "
+            "policy that sampled a trained trajectory and the one trained, over the run; sync delayed by that "
+            "staleness: the same seed's sync curve read that many steps before the end (interpolated), what a "
+            "setting would reach if its stale data cost it only the delay."
             + (f" Not run yet: {', '.join(missing)}." if missing else ""))
     write_results(args.name, text + note, {"rows": rows, "steps": args.steps, "seeds": args.seeds,
                                            "config": args.config, "overrides": args.overrides})

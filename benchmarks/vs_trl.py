@@ -66,7 +66,7 @@ def ours(run_dir: Path, overrides: list[str]) -> dict:
             "eval_n": evals[-1]["eval/n"]}
 
 
-def trl_worker(out: Path, steps: int, eval_size: int) -> None:
+def trl_worker(out: Path, steps: int, eval_size: int, settings: dict) -> None:
     """One TRL GRPOTrainer run (in its own process: its threads and memory are its own)."""
     import torch
     from datasets import Dataset
@@ -142,26 +142,48 @@ def trl_worker(out: Path, steps: int, eval_size: int) -> None:
         max_grad_norm=cfg.trainer.grad_clip, beta=0.0, epsilon=cfg.trainer.eps_clip, shuffle_dataset=False,
         use_cpu=True, bf16=False, save_strategy="no", report_to="none", logging_steps=1, seed=cfg.seed,
         disable_tqdm=True, optim="adamw_torch")
+    for key, value in settings.items():  # --trl overrides, checked against GRPOConfig's own fields
+        if not hasattr(args, key):
+            raise SystemExit(f"--trl {key}: GRPOConfig has no such field")
+        setattr(args, key, value)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[clock])
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with autocast:
         trainer.train()
+    logged = [h for h in trainer.state.log_history if "reward" in h]
     out.write_text(json.dumps({"curve": [(t, a) for t, a, _ in clock.curve], "steps": steps,
+                               "reward": [h["reward"] for h in logged],
+                               "grad_norm": [h.get("grad_norm") for h in logged],
                                "train_s": clock.curve[-1][0], "eval_n": len(held_out),
                                "dtype": "bf16 autocast" if bf16 else "fp32", "threads": torch.get_num_threads()}))
 
 
-def trl_run(run_dir: Path, steps: int, eval_size: int) -> dict:
+def trl_run(run_dir: Path, steps: int, eval_size: int, settings: dict) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "trl.json"
     out.unlink(missing_ok=True)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, __file__, "--trl-worker", str(out), "--steps", str(steps),
-                        "--eval-size", str(eval_size)], cwd=ROOT, capture_output=True, text=True)
+                        "--eval-size", str(eval_size), "--trl-settings", json.dumps(settings)],
+                       cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"TRL run failed ({p.returncode}): {p.stderr[-3000:]}")
     return {**json.loads(out.read_text()), "process_s": time.monotonic() - t0}
+
+
+def trl_overrides(pairs: list[str]) -> dict:
+    """`--trl field=value ...` as a dict: JSON scalars (2e-5, false, null), anything else a string (dapo)."""
+    settings = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--trl {pair!r}: expected FIELD=VALUE")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    return settings
 
 
 def first_reach(curve: list[list[float]], target: float) -> float | None:
@@ -199,13 +221,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3, help="runs of each system, alternating")
     ap.add_argument("--ours", nargs="*", default=[], help="overrides for the async_rl runs (e.g. mode=sync)")
+    ap.add_argument("--trl", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="GRPOConfig overrides for the TRL runs (e.g. learning_rate=2e-5 gradient_checkpointing=false)")
+    ap.add_argument("--only", choices=("async_rl", "TRL"), help="run one system only (a settings sweep)")
+    ap.add_argument("--name", default=None, help="results file name (default vs_trl)")
     ap.add_argument("--quick", action="store_true", help="2 steps, 16 held-out problems, 1 run: a smoke check")
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--eval-size", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trl-settings", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
-        return trl_worker(Path(args.trl_worker), args.steps, args.eval_size)
+        return trl_worker(Path(args.trl_worker), args.steps, args.eval_size, json.loads(args.trl_settings))
+    trl_settings = trl_overrides(args.trl)
     try:
         from trl import __version__ as trl_version
     except ImportError:
@@ -216,22 +244,28 @@ def main() -> None:
     steps, eval_size = (2, 16) if args.quick else (base.total_steps, base.task.eval_size)
     runs_n = 1 if args.quick else args.runs
     extra = ["total_steps=2", "task.eval_size=16", "rollout.eval_every=1"] if args.quick else []
-    runs: dict[str, list[dict]] = {"async_rl": [], "TRL": []}
+    runs: dict[str, list[dict]] = {s: [] for s in ("async_rl", "TRL") if args.only in (None, s)}
     for k in range(runs_n):  # alternating, so drift on the machine hits both
-        runs["async_rl"].append(ours(ROOT / "runs" / "vs_trl" / f"ours_{k}", [*args.ours, *extra]))
-        runs["TRL"].append(trl_run(ROOT / "runs" / "vs_trl" / f"trl_{k}", steps, eval_size))
+        if "async_rl" in runs:
+            runs["async_rl"].append(ours(ROOT / "runs" / "vs_trl" / f"ours_{k}", [*args.ours, *extra]))
+        if "TRL" in runs:
+            runs["TRL"].append(trl_run(ROOT / "runs" / "vs_trl" / f"trl_{k}", steps, eval_size, trl_settings))
         for name, rs in runs.items():
             print(f"run {k} {name}: {rs[-1]['train_s']:.0f} s, accuracy "
                   f"{' -> '.join(f'{a:.3f}' for _, a in rs[-1]['curve'])}", flush=True)
     finals = {name: statistics.median(r["curve"][-1][1] for r in rs) for name, rs in runs.items()}
     common = min(finals.values())
-    lines = [f"async_rl: `async-rl run --config {CONFIG}`{' ' + ' '.join(args.ours) if args.ours else ''} "
-             f"({base.mode}, max_staleness {base.max_staleness}); TRL {trl_version} GRPOTrainer "
-             f"({runs['TRL'][0]['dtype']}, {runs['TRL'][0]['threads']} threads). {steps} steps of "
-             f"{base.trainer.batch_size} answers, {eval_size} held-out problems; {runs_n} run(s) each, alternating: "
-             "median (min-max).", "",
+    described = []
+    if "async_rl" in runs:
+        described.append(f"async_rl: `async-rl run --config {CONFIG}`{' ' + ' '.join(args.ours) if args.ours else ''} "
+                         f"({base.mode}, max_staleness {base.max_staleness})")
+    if "TRL" in runs:
+        described.append(f"TRL {trl_version} GRPOTrainer ({runs['TRL'][0]['dtype']}, {runs['TRL'][0]['threads']} "
+                         f"threads{', ' + ' '.join(args.trl) if args.trl else ''})")
+    lines = ["; ".join(described) + f". {steps} steps of {base.trainer.batch_size} answers, {eval_size} held-out "
+             f"problems; {runs_n} run(s) each{', alternating' if len(runs) > 1 else ''}: median (min-max).", "",
              "| system | training wall clock s | s per step | held-out accuracy before | after | best | "
-             f"time to {common:.3f} (both reach it) |", "|---|---|---|---|---|---|---|"]
+             f"time to {common:.3f} (all reach it) |", "|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
         lines.append(f"| {name} | {spread([r['train_s'] for r in rs])} | "
                      f"{spread([r['train_s'] / r['steps'] for r in rs])} | "
@@ -239,13 +273,16 @@ def main() -> None:
                      f"{spread([max(a for _, a in r['curve']) for r in rs])} | "
                      f"{spread([first_reach(r['curve'], common) for r in rs], '{:.0f}')} |")
     times = {name: [first_reach(r["curve"], common) for r in rs] for name, rs in runs.items()}
-    if all(v is not None for vs in times.values() for v in vs):
+    if len(runs) == 2 and all(v is not None for vs in times.values() for v in vs):
         ratio = statistics.median(times["TRL"]) / max(statistics.median(times["async_rl"]), 1e-9)
         lines += ["", f"Time to {common:.3f} held-out accuracy, TRL / async_rl: {ratio:.2f}x (medians)."]
+    if "TRL" in runs:
+        lines += ["", "TRL's training reward per step (run 0): "
+                  + " ".join(f"{x:.2f}" for x in runs["TRL"][0].get("reward", []))]
     lines += ["", "Curves (training wall s, accuracy) of every run:", ""]
     lines += [f"- {name} {k}: {json.dumps([[round(t, 1), a] for t, a in r['curve']])}"
               for name, rs in runs.items() for k, r in enumerate(rs)]
-    name = "vs_trl_quick" if args.quick else "vs_trl"
+    name = args.name or ("vs_trl_quick" if args.quick else "vs_trl")
     plot(runs, RESULTS / f"{name}.png")
     out = write_results(name, "\n".join(lines) + f"\n\n![curves]({name}.png)", {"runs": runs, "common": common})
     print(out.read_text())
