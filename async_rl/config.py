@@ -98,6 +98,10 @@ class RolloutConfig:
     # weights just loaded) is aborted and started again from its prompt under those weights, instead of
     # being generated to its end and dropped; false keeps generating it (the trainer drops and counts it)
     restart_stale: bool = True
+    # async: run only as many versions ahead of the trainer (1..max_staleness) as keep it fed, moved by
+    # one per step from how much the trainer found buffered (rollout/staleness.py); false = always
+    # max_staleness ahead, so a run the trainer bottlenecks trains data about max_staleness versions old
+    pace: bool = False
     server_addrs: list[str] = field(default_factory=list)  # generation servers started elsewhere; empty = start our own
     num_servers: int = 1  # generation servers to start when server_addrs is empty
     health_interval_s: float = 5.0  # how often each server's health is checked; a failing one leaves rotation

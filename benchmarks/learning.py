@@ -2,8 +2,10 @@
 
 On `configs/learning_arith.yaml` (SmolLM2-135M on two-digit sums, a task meant to keep improving
 past 40 steps), every setting trains the same number of steps from the same seeds: `mode=sync`,
-async at max_staleness 1, 2, 4, 8 with the decoupled loss's behaviour correction, and async at 8
-without it (`trainer.loss=no_behav_correction`), the ablation. Each run scores greedy accuracy on
+async at max_staleness 1, 2, 4, 8 with the decoupled loss's behaviour correction, async at 8
+without it (`trainer.loss=no_behav_correction`, the ablation), and async at 8 paced
+(`rollout.pace=true`: the rollout side runs only as far ahead as keeps the trainer fed). Each run
+scores greedy accuracy on
 `--eval-size` held-out problems (`task.eval_size`, >= 256 so that one run's evaluation noise,
 about +-0.03, is small against the differences measured) before training, every `--eval-every`
 versions beside it, and after it.
@@ -43,11 +45,12 @@ SETTINGS = {
     "async-4": ["mode=async", "max_staleness=4"],
     "async-8": ["mode=async", "max_staleness=8"],
     "async-8-no-correction": ["mode=async", "max_staleness=8", "trainer.loss=no_behav_correction"],
+    "async-8-paced": ["mode=async", "max_staleness=8", "rollout.pace=true"],
     # not in the default table: at eta = 0 the behaviour weight corrects only the engine/trainer
     # log-prob mismatch, so this measures what that mismatch costs when nothing corrects it
     "sync-no-correction": ["mode=sync", "trainer.loss=no_behav_correction"],
 }
-DEFAULT = ["sync", "async-1", "async-2", "async-4", "async-8", "async-8-no-correction"]
+DEFAULT = ["sync", "async-1", "async-2", "async-4", "async-8", "async-8-no-correction", "async-8-paced"]
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -167,6 +167,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     versions = _Versions(queue, publisher, trainer)
     drain = Drain.install()  # SIGTERM: finish this step, checkpoint, tell the rollout side to stop
     skipped = 0
+    paced = cfg.mode == "async" and cfg.rollout.pace
     try:
         step = start
         while step < cfg.total_steps and not drain.requested:
@@ -174,6 +175,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             if cores is not None:
                 cores.idle()
             filtered: list[list] = []
+            buffered = queue.stats().get("queue/depth", 0)  # what the rollout side had ready when asked
             try:
                 groups = _next_batch(queue, cfg, book, step, filtered,
                                      on_tick=lambda: (versions.check(), book.note_sessions(), drain.check()))
@@ -201,8 +203,11 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             stats.update(_filtered_stats(filtered))
             t1 = time.perf_counter()
             stats.update(versions.publish())
+            if paced:  # after the weights: the rollout side sets how far ahead it runs from what was ready
+                queue.broadcast({"kind": "pace", "buffered": buffered, "version": trainer.policy_version})
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
+                          "queue/buffered_at_ask": buffered,
                           "timing/publish_s": time.perf_counter() - t1, "timing/step_s": time.perf_counter() - t0})
             metrics.log(stats, step=step)
             bar.set_postfix(reward=f"{stats.get('train/reward_mean', float('nan')):.3f}",

@@ -262,6 +262,8 @@ class RolloutController:
                 logger.log(logging.DEBUG if msg.get("quiet") else logging.WARNING,
                            "trainer released %s trajectories from the staleness count (%s)", msg.get("n"),
                            msg.get("reason", ""))
+            elif kind == "pace":  # what the trainer found ready when it asked for its last batch
+                self.gate.pace(int(msg.get("buffered", 0)))
             elif kind == "stop":
                 self.final_version = int(msg.get("final_version", self.gate.version))
                 logger.info("trainer finished at version %s: stopping rollout", self.final_version)

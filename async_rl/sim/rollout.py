@@ -8,7 +8,8 @@ It does what `RolloutController` does, in the same order, calling the same code:
 - a weight update pauses every server, loads, continues, then `gate.set_version`, and, with
   `rollout.restart_stale`, restarts what `gate.stale_attempts` names (the slot and the gate's
   count stay; the sample keeps its length: same prompt, same seed);
-- a finished group goes to the trainer; a batch the trainer drops whole comes back as `release`.
+- a finished group goes to the trainer; a batch the trainer drops whole comes back as `release`;
+  with `rollout.pace`, what the trainer found ready at each batch comes back as `gate.pace`.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ class SimRollout:
     def release(self, n: int) -> None:
         """The trainer dropped `n` admitted trajectories without a train step."""
         self.gate.release(n)
+        self.admit()
+
+    def pace(self, buffered: int) -> None:
+        """The trainer found `buffered` trajectories ready when it asked for its last batch (rollout.pace)."""
+        self.gate.pace(buffered)
         self.admit()
 
     # ------------------------------------------------------------------ weight updates

@@ -32,6 +32,7 @@ class StepRecord:
     hist: list[int] = field(default_factory=list)  # arrivals by lag of the oldest token, last bin > eta
     interrupted: int = 0
     engine_busy_s: float = 0.0  # all servers' busy seconds so far (idle fractions over a window)
+    buffered: int = 0  # trajectories ready when the trainer asked for this batch (rollout.pace reads it)
 
 
 class _Work:
@@ -69,6 +70,7 @@ class SimTrainer:
         self.work: _Work | None = None
         self.rollout = None  # SimRollout: told of new versions and of batches dropped whole
         self._idle_since = 0.0
+        self._asked = 0  # trajectories buffered when the trainer last became free to take a batch
         self._current: StepRecord | None = None
 
     @property
@@ -91,11 +93,12 @@ class SimTrainer:
             if not kept:  # no train step: the version stays, the gate stops counting them
                 self.skipped += 1
                 self.rollout.release(len(stale) + len(future))
+                self._asked = self.buffered  # the real trainer asks again, reading what is ready then
                 continue
             self._current = StepRecord(
                 end_s=0.0, kept=len(kept), dropped=len(stale) + len(future),
                 tokens=sum(t.prompt_len + t.response_len for t in kept), wait_s=self.clock.now - self._idle_since,
-                hist=hist, interrupted=sum(1 for t in trajs if t.interrupted))
+                hist=hist, interrupted=sum(1 for t in trajs if t.interrupted), buffered=self._asked)
             self._set_busy(True)
             self.work = _Work(self.clock, self.step_s(self._current.tokens), self.speed, self._trained)
 
@@ -119,6 +122,8 @@ class SimTrainer:
         self._idle_since = self.clock.now
         self._set_busy(False)
         self.rollout.weights(self.version)
+        self.rollout.pace(record.buffered)
+        self._asked = self.buffered
         self._try_start()
 
     def _set_busy(self, busy: bool) -> None:

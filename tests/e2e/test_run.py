@@ -29,9 +29,11 @@ def rollout_metrics(run_dir: Path) -> list[dict]:
 
 # at eta=4 the queue's default capacity (4 batches) would bound what is produced by itself: a larger
 # one leaves the bound to the staleness gate, whose checks (admission.py) then fail without it; eta=1
-# moves the weights over a torch.distributed group (gloo), the GPU path's transport
+# moves the weights over a torch.distributed group (gloo), the GPU path's transport; eta=4 is paced
+# (rollout.pace: the trainer tells the rollout side what it found ready, and its gate moves within eta)
 @pytest.mark.parametrize("mode,eta,extra", [("async", 1, ["weight_sync.transport=dist"]),
-                                            ("async", 4, ["transport.capacity=1024"]), ("sync", 0, [])])
+                                            ("async", 4, ["transport.capacity=1024", "rollout.pace=true"]),
+                                            ("sync", 0, [])])
 def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
     steps = 4
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"mode={mode}", f"max_staleness={eta}",
@@ -47,6 +49,10 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
                     "rollout/interrupted", "queue/depth", "timing/step_s"):
             assert key in r, key
         assert r["train/staleness_max"] <= eta  # what was kept
+    if "rollout.pace=true" in extra:
+        assert rows[0]["queue/buffered_at_ask"] < 64  # the first batch is always waited for
+        aheads = [r["rollout/ahead"] for r in rollout_metrics(tmp_path) if "rollout/ahead" in r]
+        assert aheads and all(1 <= a <= eta for a in aheads), aheads
     if mode == "sync":
         assert all(r["rollout/interrupted"] == 0 for r in rows)
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]

@@ -148,3 +148,31 @@ def test_a_sequence_of_lengths_is_replayed_in_order():
     assert [draw() for _ in range(7)] == [5, 1, 8, 5, 1, 8, 5]  # capped at max, then over again
     p = profile_from_dict({**_dict(profile()), "response": {"kind": "sequence", "samples": [L]}})
     assert run(p, "sync", 0, steps=3).wall_s == pytest.approx(run(profile(), "sync", 0, steps=3).wall_s, rel=1e-12)
+
+
+def _mean_lag(result) -> float:
+    return sum(k * n for k, n in enumerate(result.staleness_hist)) / sum(result.staleness_hist)
+
+
+def _period(result, steps: int) -> float:
+    ends = [r.end_s for r in result.records]
+    return (ends[-1] - ends[-1 - steps]) / steps
+
+
+@pytest.mark.parametrize("per_token_s", [C, 20 * C])  # generation-bound, then training-bound
+def test_pacing_trains_fresher_data_at_the_same_speed(per_token_s):
+    """rollout.pace under the simulated clock (the real gate's rule): training-bound, unpaced data
+    arrives about eta versions old and paced about one, at the same step period; generation-bound
+    (every eta + 1 batches finish together, then the trainer waits), pacing changes nothing."""
+    eta, steps = 4, 60
+    base = sim_config(profile(per_token_s), ["mode=async", f"max_staleness={eta}", f"total_steps={steps}"])
+    paced_cfg = sim_config(profile(per_token_s), ["mode=async", f"max_staleness={eta}", f"total_steps={steps}",
+                                                  "rollout.pace=true"])
+    unpaced, paced = (simulate(profile(per_token_s), c, Placement.pools(1, 1)) for c in (base, paced_cfg))
+    assert _period(paced, 20) == pytest.approx(_period(unpaced, 20), rel=1e-6)
+    assert paced.wall_s == pytest.approx(unpaced.wall_s, rel=1e-6)
+    if per_token_s > C:
+        assert _mean_lag(unpaced) > eta - 0.5
+        assert _mean_lag(paced) < 1.5
+    else:
+        assert _mean_lag(paced) == pytest.approx(_mean_lag(unpaced))

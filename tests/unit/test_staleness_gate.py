@@ -81,3 +81,67 @@ def test_for_config_forces_eta_zero_in_sync_mode():
 
     assert StalenessGate.for_config(load_config(None, ["mode=async", "max_staleness=3"])).max_staleness == 3
     assert StalenessGate.for_config(load_config(None, ["mode=sync", "max_staleness=3"])).max_staleness == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 64), eta=st.integers(1, 8), unit=st.integers(1, 16),
+       events=st.lists(st.one_of(st.sampled_from(["admit", "version"]), st.integers(0, 600)), max_size=200))
+def test_a_paced_gate_stays_under_the_bound_and_uses_between_one_and_eta_versions_of_it(batch, eta, unit, events):
+    """rollout.pace moves how far ahead admission runs (an int event: what the trainer found ready)
+    but never past eta."""
+    gate = StalenessGate(batch, eta, pace=True)
+    for ev in events:
+        if ev == "version":
+            gate.set_version(gate.version + 1)
+        elif ev == "admit":
+            if gate.can_admit(unit):
+                gate.admit(unit)
+        else:
+            gate.pace(ev)
+        assert 1 <= gate.ahead <= eta
+        assert gate.limit == (gate.version + gate.ahead + 1) * batch <= (gate.version + eta + 1) * batch
+
+
+def test_pacing_runs_one_version_less_after_a_pipeline_without_waits_and_one_more_when_the_trainer_waited():
+    b = 8
+    gate = StalenessGate(b, 4, pace=True)
+    assert (gate.ahead, gate.limit) == (4, 5 * b)  # starts at the bound: the pipeline fills first
+    steps = [(2 * b, 4), (2 * b, 4), (2 * b, 4), (2 * b, 4),  # 4 asks fed: not yet more than `ahead`
+             (2 * b, 3), (2 * b, 2),  # calm for a pipeline's worth, a batch to spare: one less each ask
+             (b, 2), (2 * b, 1), (9 * b, 1),  # nothing to spare: hold; never below 1
+             (b - 1, 2), (2 * b, 2),  # the trainer waited: one more, and the count of calm asks restarts
+             (0, 3), (0, 4), (0, 4)]  # never above eta
+    for buffered, ahead in steps:
+        gate.pace(buffered)
+        assert gate.ahead == ahead, (buffered, gate.ahead, ahead)
+        assert gate.limit == (ahead + 1) * b
+    unpaced = StalenessGate(b, 4)
+    for _ in range(10):
+        unpaced.pace(9 * b)
+    assert unpaced.ahead == 4
+
+
+def test_a_waiter_is_admitted_when_pacing_lets_it():
+    async def scenario():
+        gate = StalenessGate(batch_size=4, max_staleness=2, pace=True)
+        for _ in range(4):  # calm asks with a batch to spare: down to 1 ahead, limit (0 + 1 + 1) * 4
+            gate.pace(8)
+        assert gate.ahead == 1
+        await gate.wait_admit(4)
+        await gate.wait_admit(4)
+        waiter = asyncio.create_task(gate.wait_admit(4))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        gate.pace(0)  # the trainer waited: 2 ahead, the same version admits one batch more
+        await asyncio.wait_for(waiter, 1.0)
+        assert gate.admitted == 12
+
+    asyncio.run(scenario())
+
+
+def test_for_config_paces_only_async_runs_that_ask():
+    from async_rl.config import load_config
+
+    assert StalenessGate.for_config(load_config(None, ["mode=async", "rollout.pace=true"])).paced
+    assert not StalenessGate.for_config(load_config(None, ["mode=async"])).paced
+    assert not StalenessGate.for_config(load_config(None, ["mode=sync", "rollout.pace=true"])).paced
