@@ -99,8 +99,9 @@ class RolloutConfig:
     # being generated to its end and dropped; false keeps generating it (the trainer drops and counts it)
     restart_stale: bool = True
     # async: run only as many versions ahead of the trainer (1..max_staleness) as keep it fed, moved by
-    # one per step from how much the trainer found buffered (rollout/staleness.py); false = always
-    # max_staleness ahead, so a run the trainer bottlenecks trains data about max_staleness versions old
+    # one per step from how much the trainer found buffered (rollout/staleness.py; the trainer always
+    # says, this side's setting decides); false = always max_staleness ahead, so a run the trainer
+    # bottlenecks trains data about max_staleness versions old
     pace: bool = False
     server_addrs: list[str] = field(default_factory=list)  # generation servers started elsewhere; empty = start our own
     num_servers: int = 1  # generation servers to start when server_addrs is empty

@@ -167,7 +167,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     versions = _Versions(queue, publisher, trainer)
     drain = Drain.install()  # SIGTERM: finish this step, checkpoint, tell the rollout side to stop
     skipped = 0
-    paced = cfg.mode == "async" and cfg.rollout.pace
+    paced = cfg.mode == "async"  # the rollout side paces on it if its own config says rollout.pace
     try:
         step = start
         while step < cfg.total_steps and not drain.requested:
