@@ -84,7 +84,8 @@ def trl_worker(out: Path, steps: int, eval_size: int, settings: dict) -> None:
     tokenizer.padding_side = "left"
     model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, tokenizer=tokenizer)
     model.train()
-    bf16 = resolve_dtype("auto", torch.device("cpu")).dtype == torch.bfloat16
+    # `--trl autocast=false`: fp32 throughout (the harness's own switch, not a GRPOConfig field)
+    bf16 = settings.pop("autocast", True) and resolve_dtype("auto", torch.device("cpu")).dtype == torch.bfloat16
     prompts_per_step = cfg.trainer.batch_size // cfg.rollout.group_size
     stream = task.train_samples(cfg.seed)
     train = [next(stream) for _ in range(steps * prompts_per_step)]
@@ -222,7 +223,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs of each system, alternating")
     ap.add_argument("--ours", nargs="*", default=[], help="overrides for the async_rl runs (e.g. mode=sync)")
     ap.add_argument("--trl", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="GRPOConfig overrides for the TRL runs (e.g. learning_rate=2e-5 gradient_checkpointing=false)")
+                    help="GRPOConfig overrides for the TRL runs (e.g. learning_rate=2e-5 gradient_checkpointing=false); "
+                         "autocast=false runs TRL in fp32 instead of under bf16 autocast")
     ap.add_argument("--only", choices=("async_rl", "TRL"), help="run one system only (a settings sweep)")
     ap.add_argument("--name", default=None, help="results file name (default vs_trl)")
     ap.add_argument("--quick", action="store_true", help="2 steps, 16 held-out problems, 1 run: a smoke check")
