@@ -167,7 +167,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     versions = _Versions(queue, publisher, trainer)
     drain = Drain.install()  # SIGTERM: finish this step, checkpoint, tell the rollout side to stop
     skipped = 0
-    paced = cfg.mode == "async"  # the rollout side paces on it if its own config says rollout.pace
+    tell_ready = cfg.mode == "async"  # what was ready at each ask: the rollout side paces on it (rollout.pace)
     try:
         step = start
         while step < cfg.total_steps and not drain.requested:
@@ -203,7 +203,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             stats.update(_filtered_stats(filtered))
             t1 = time.perf_counter()
             stats.update(versions.publish())
-            if paced:  # after the weights: the rollout side sets how far ahead it runs from what was ready
+            if tell_ready:  # after the weights: a paced rollout side sets how far ahead it runs from this
                 queue.broadcast({"kind": "pace", "buffered": buffered, "version": trainer.policy_version})
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
