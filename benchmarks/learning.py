@@ -131,8 +131,9 @@ def delay_sync(rows: list[dict]) -> None:
             r["sync_delayed"] = float("nan")
             continue
         at = r["curve"][-1][0] - stale
-        r["sync_delayed"] = next(y0 + (y1 - y0) * (at - x0) / (x1 - x0)
-                                 for (x0, y0), (x1, y1) in zip(curve, curve[1:]) if x0 <= at <= x1)
+        spans = ((x0, y0, x1, y1) for (x0, y0), (x1, y1) in zip(curve, curve[1:]) if x0 <= at <= x1)
+        r["sync_delayed"] = next((y0 + (y1 - y0) * (at - x0) / (x1 - x0) for x0, y0, x1, y1 in spans),
+                                 float("nan"))  # outside that seed's sync curve: not comparable
 
 
 def table(rows: list[dict]) -> str:

@@ -204,7 +204,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             t1 = time.perf_counter()
             stats.update(versions.publish())
             if tell_ready:  # after the weights: a paced rollout side sets how far ahead it runs from this
-                queue.broadcast({"kind": "pace", "buffered": buffered, "version": trainer.policy_version})
+                queue.broadcast({"kind": "pace", "buffered": buffered})
             stats.update(queue.stats())
             stats.update({"policy_version": trainer.policy_version, "timing/wait_s": wait_s,
                           "queue/buffered_at_ask": buffered,
