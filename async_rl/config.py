@@ -103,6 +103,11 @@ class RolloutConfig:
     # says, this side's setting decides); false = always max_staleness ahead, so a run the trainer
     # bottlenecks trains data about max_staleness versions old
     pace: bool = False
+    # how a weight update stops each generation server (SGLang's /pause_generation modes): retract (the
+    # requests in flight keep their tokens and recompute their KV under the new weights) | in_place (they
+    # keep the KV the old weights computed and go on at once: no recompute; the tokens sampled after the
+    # update are labelled with the new version) | abort (they come back partial and are re-submitted)
+    pause_mode: str = "retract"
     server_addrs: list[str] = field(default_factory=list)  # generation servers started elsewhere; empty = start our own
     num_servers: int = 1  # generation servers to start when server_addrs is empty
     health_interval_s: float = 5.0  # how often each server's health is checked; a failing one leaves rotation
@@ -287,6 +292,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "task.answer_pick": ("last", "first"),
     "weight_sync.transport": ("disk", "zmq", "dist"),
     "trainer.stale_tokens": ("drop", "mask"),
+    "rollout.pause_mode": ("retract", "in_place", "abort"),
     "log.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
 }
 

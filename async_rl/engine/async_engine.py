@@ -146,6 +146,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._paused = False
+        self._keep_kv = False  # paused in SGLang's mode in_place: an update now keeps the KV in flight
         self._partial: set[str] | None = None  # names loaded of a version that arrives in parts (loop thread)
         self._held = False  # the loop was paused for that version and resumes once it is complete
         self._streams: dict[str, _Stream] = {}  # loop thread only
@@ -353,12 +354,20 @@ class AsyncEngine:
         return await self._call(lambda: sum(self._abort(rid) for rid in list(self._streams)))
 
     # ------------------------------------------------------------------ control
-    async def pause(self) -> None:
-        """Return once the loop has stopped at a step boundary; requests in flight stay in flight."""
-        await self._call(lambda: setattr(self, "_paused", True))
+    async def pause(self, keep_kv: bool = False) -> None:
+        """Return once the loop has stopped at a step boundary; requests in flight stay in flight. With
+        `keep_kv` (SGLang's pause mode in_place) a weight update made before `resume` leaves the requests
+        that hold KV going on over it, instead of recomputing it under the new weights."""
+        def stop() -> None:
+            self._paused, self._keep_kv = True, keep_kv
+
+        await self._call(stop)
 
     async def resume(self) -> None:
-        await self._call(lambda: setattr(self, "_paused", False))
+        def go() -> None:
+            self._paused, self._keep_kv = False, False
+
+        await self._call(go)
 
     async def retract_all(self) -> list[str]:
         """Free the KV of every started request; it is recomputed when stepping resumes (SGLang's `retract`)."""
@@ -374,13 +383,14 @@ class AsyncEngine:
 
     async def update_weights_from_disk(self, path: str, version: int) -> dict[str, float]:
         """Load weights from a .safetensors file (or a directory of them) at a step boundary;
-        sequences in flight recompute their KV and continue. Works paused or not."""
+        sequences in flight recompute their KV and continue (keep it, paused with `keep_kv`). Works
+        paused or not."""
         t0 = time.perf_counter()
         state = await asyncio.to_thread(load_weights, path)
         read_s = time.perf_counter() - t0
 
         def apply() -> dict[str, float]:
-            stats = self.engine.update_weights(state, version)
+            stats = self.engine.update_weights(state, version, keep_kv=self._keep_kv and self._paused)
             self._committed(version)
             return stats
 
@@ -418,7 +428,7 @@ class AsyncEngine:
 
         def apply() -> dict[str, float]:
             check()
-            stats = self.engine.update_weights(state, version)
+            stats = self.engine.update_weights(state, version, keep_kv=self._keep_kv and self._paused)
             self._committed(version)
             return stats
 
@@ -446,7 +456,7 @@ class AsyncEngine:
             if version is None and self.engine.missing_parameters(self._partial):
                 return {"engine/update_load_s": time.perf_counter() - t0, "engine/weights_complete": 0.0}
             done = self.weight_version + 1 if version is None else version
-            stats = self.engine.commit_weights(done, t0)
+            stats = self.engine.commit_weights(done, t0, keep_kv=self._keep_kv and self._paused)
             self._committed(done)
             return {**stats, "engine/weights_complete": 1.0}
 
@@ -458,6 +468,7 @@ class AsyncEngine:
         self._counts["weight_updates"] += 1
         if self._partial is not None and self._held:
             self._paused = False
+        self._keep_kv = False  # paused in SGLang's mode in_place: an update now keeps the KV in flight
         self._partial, self._held = None, False
 
     def _check_newer(self, version: int) -> None:

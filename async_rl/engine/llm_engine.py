@@ -11,7 +11,9 @@ One `step()` = schedule (continuous batching under a token budget, paged KV, pre
 reuse, preemption) -> one forward over every scheduled token -> sample -> append tokens,
 finish sequences and free their blocks. `update_weights` is called between steps: it
 loads new weights in place, drops the prefix cache, and makes every in-flight sequence
-recompute its KV with the new weights before it samples again. Not thread-safe: the
+recompute its KV with the new weights before it samples again (or, `keep_kv=True`, SGLang's
+update under an `in_place` pause, go on over the KV it has: no recompute, and its next tokens
+attend to keys and values the old weights computed). Not thread-safe: the
 caller serialises `add_request`, `abort_request`, `step` and `update_weights`.
 """
 
@@ -227,7 +229,8 @@ class LLMEngine:
         return StepOutput(seq.request_id, tokens, logprobs, top, True, seq.to_output())
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                       keep_kv: bool = False) -> dict[str, float]:
         """Load a whole state dict (checked before anything changes) and commit it as `version`."""
         t0 = time.perf_counter()
         params = self.model.state_dict(keep_vars=True)
@@ -237,7 +240,7 @@ class LLMEngine:
         if missing:
             raise ValueError(f"state_dict: missing parameters {missing[:5]} ({len(missing)} in all)")
         self._copy(state_dict.items(), params)
-        return self.commit_weights(version, t0)
+        return self.commit_weights(version, t0, keep_kv)
 
     def load_tensors(self, named: Seq[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the parameters of the same names (converting dtype and device); the version
@@ -271,18 +274,23 @@ class LLMEngine:
             by_storage.setdefault(p.data_ptr(), []).append(name)
         return sorted(n for names in by_storage.values() if not loaded.intersection(names) for n in names)
 
-    def commit_weights(self, version: int, t0: float | None = None) -> dict[str, float]:
-        """The parameters as loaded are now `version`: sequences in flight recompute their KV."""
+    def commit_weights(self, version: int, t0: float | None = None, keep_kv: bool = False) -> dict[str, float]:
+        """The parameters as loaded are now `version`: sequences in flight recompute their KV, or with
+        `keep_kv` go on over the KV they hold (those whose KV was already freed recompute it either way)."""
         t0 = time.perf_counter() if t0 is None else t0
         self.policy_version = version
-        interrupted = self.scheduler.interrupt_all()
+        kept = list(self.scheduler.running) if keep_kv else []
+        for seq in kept:
+            seq.kv_mixed = True
+        interrupted = [] if keep_kv else self.scheduler.interrupt_all()
         self.block_manager.reset_prefix_cache()
-        for seq in interrupted:
+        for seq in interrupted + kept + [s for s in self.scheduler.waiting if keep_kv and s.admitted_once]:
             seq.num_interruptions += 1
         load_s = time.perf_counter() - t0
-        logger.info("weights v%d loaded in %.3fs; %d sequences will recompute their KV",
-                    version, load_s, len(interrupted))
-        return {"engine/update_load_s": load_s, "engine/interrupted": float(len(interrupted))}
+        logger.info("weights v%d loaded in %.3fs; %d sequences will recompute their KV, %d keep theirs",
+                    version, load_s, len(interrupted), len(kept))
+        return {"engine/update_load_s": load_s, "engine/interrupted": float(len(interrupted)),
+                "engine/kv_kept": float(len(kept))}
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, float]:

@@ -122,7 +122,8 @@ class Scheduler:
             tokens = tuple(seq.token_ids[b * bs:(b + 1) * bs])
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(h)
-            self.bm.register(seq.block_table[b], h, tokens)
+            if not seq.kv_mixed:
+                self.bm.register(seq.block_table[b], h, tokens)
         return ScheduledChunk(seq, seq.num_computed, n)
 
     # ------------------------------------------------------------------ state changes

@@ -30,7 +30,7 @@ class Sequence:
         "request_id", "params", "prompt_len", "token_ids", "output_logprobs", "output_versions",
         "output_top_logprobs", "status", "finish_reason", "num_computed", "block_table", "block_hashes",
         "num_interruptions", "prefix_cached_tokens", "admitted_once", "recompute_left", "generator",
-        "stop_ids",
+        "stop_ids", "kv_mixed",
     )
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -51,6 +51,9 @@ class Sequence:
         self.prefix_cached_tokens = 0  # prefix-cache hit on first admission (reported to the caller)
         self.admitted_once = False
         self.recompute_left = 0  # tokens computed before a preemption/interruption, to be computed again
+        # its KV was kept across a weight update (pause mode in_place): part of it comes from older weights,
+        # so none of its blocks is offered to the prefix cache until it is recomputed
+        self.kv_mixed = False
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
@@ -75,6 +78,7 @@ class Sequence:
         """Forget the KV state (the caller frees the blocks); the next chunks recompute it."""
         self.recompute_left = max(self.recompute_left, self.num_computed)
         self.num_computed = 0
+        self.kv_mixed = False
         self.block_table = []
         self.block_hashes = []
 

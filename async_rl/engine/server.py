@@ -17,10 +17,11 @@
 Pause modes, as SGLang defines them: `abort` returns every running and waiting request at
 once with its partial output (finish_reason abort); `retract` frees the KV of the requests
 in flight, which keep their tokens and recompute it when generation continues; `in_place`
-stops stepping and keeps the KV. New requests wait while paused. A weight update always
-recomputes the KV of the requests in flight (SGLang keeps stale KV after an `in_place`
-update; we never mix versions inside one forward pass). SGLang's default mode is `abort`;
-ours is `retract`, so a bare pause never loses work: clients should name the mode.
+stops stepping and keeps the KV. New requests wait while paused. A weight update under an
+`in_place` pause keeps that KV, as SGLang does: the requests go on over keys and values the
+old weights computed (no recompute; `rollout.pause_mode=in_place`). Under the other modes, or
+unpaused, the requests in flight recompute their KV under the new weights. SGLang's default
+mode is `abort`; ours is `retract`, so a bare pause never loses work: clients should name the mode.
 
 Answers follow SGLang's shapes (`sglang_api`): finish_reason objects, log-probs as
 [logprob, token_id, text], `weight_version`, `weight_versions` spans and `num_retractions`;
@@ -81,8 +82,7 @@ class UpdateWeightsRequest(Strict):
     weight_version: str | None = None
     load_format: Literal["safetensors", "auto"] | None = None
     abort_all_requests: bool = False
-    # refused while requests paused in_place hold KV, as SGLang does; the KV of requests in flight is always
-    # recomputed under the new weights here, whatever this says
+    # refused while requests paused in_place hold KV, as SGLang does (they keep that KV across the update)
     flush_cache: bool = True
     is_async: bool = False  # SGLang's scheduling knobs: no effect here
     torch_empty_cache: bool = False
@@ -121,7 +121,8 @@ class _Control:
         self.retracted: Counter[str] = Counter()
 
     async def pause(self, mode: str) -> dict[str, Any]:
-        await self.engine.pause()  # first: nothing steps (or starts) while requests are aborted or retracted
+        # first: nothing steps (or starts) while requests are aborted or retracted
+        await self.engine.pause(keep_kv=mode == "in_place")
         aborted = await self.engine.abort_all() if mode == "abort" else 0
         retracted = await self.engine.retract_all() if mode == "retract" else []
         self.retracted.update(retracted)

@@ -55,6 +55,7 @@ class _Outcome:
     seconds: float | None = None
     superseded: bool = False
     why: str = ""
+    phases: dict[str, float] | None = None  # pause, load, continue: seconds each (a loaded server only)
 
 
 async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server, prepared: Any, version: int,
@@ -62,14 +63,17 @@ async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server
     """Pause, load, continue one server within `deadline_s`."""
     t0 = time.perf_counter()
     step = "pause"
+    phases: dict[str, float] = {}
 
     async def sequence() -> None:
         nonlocal step
-        await server.client.pause_generation()
-        step = "load"
-        await receiver.load(server.client, prepared, version)
-        step = "continue"
-        await server.client.continue_generation()
+        t = time.perf_counter()
+        for name, call in (("pause", server.client.pause_generation),
+                           ("load", lambda: receiver.load(server.client, prepared, version)),
+                           ("continue", server.client.continue_generation)):
+            step = name
+            await call()
+            phases[name], t = time.perf_counter() - t, time.perf_counter()
 
     try:
         await asyncio.wait_for(sequence(), deadline_s)
@@ -83,7 +87,7 @@ async def _update_one(pool: ServerPool, receiver: WeightReceiver, server: Server
         pool.fence(server, f"weight update v{version} failed: {one_line(exc)}")
         return _Outcome()
     await pool.rejoin(server, version)
-    return _Outcome(seconds=time.perf_counter() - t0)
+    return _Outcome(seconds=time.perf_counter() - t0, phases=phases)
 
 
 async def _resume_at_old_weights(pool: ServerPool, server: Server, version: int, why: str,
@@ -135,6 +139,8 @@ async def update_servers(pool: ServerPool, receiver: WeightReceiver, msg: dict[s
     if not loaded:
         raise WeightUpdateError(f"weight update v{version}: no generation server loaded it: "
                                 + "; ".join(s.describe() for s in pool.servers))
-    return {"sync/update_s": time.perf_counter() - t0, "sync/server_update_s_max": max(loaded),
+    phases = {f"sync/server_{name}_s_max": max(o.phases[name] for o, _ in outcomes if o.phases)
+              for name in ("pause", "load", "continue")}
+    return {"sync/update_s": time.perf_counter() - t0, "sync/server_update_s_max": max(loaded), **phases,
             "sync/servers_loaded": len(loaded), "sync/servers_superseded": len(skipped),
             "sync/servers_fenced": len(pool.servers) - len(loaded)}

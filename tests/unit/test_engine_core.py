@@ -112,7 +112,9 @@ def test_greedy_output_independent_of_batching(model, tok, mode):
         assert all(o.num_interruptions == 0 for o in together.values())
 
 
-def test_weight_change_mid_generation_tags_versions(model, tok):
+def update_mid_generation(model, tok, keep_kv):
+    """5 sampled requests; after 4 steps perturbed weights load as version 1. Returns the old and new
+    models, the requests, their outputs and the update's stats; checks the versions split once."""
     old = copy.deepcopy(model)
     new = copy.deepcopy(model)
     with torch.no_grad():
@@ -125,18 +127,50 @@ def test_weight_change_mid_generation_tags_versions(model, tok):
 
     def update(eng, steps):
         if steps == 4:
-            stats.update(eng.update_weights(new.state_dict(), version=1))
+            stats.update(eng.update_weights(new.state_dict(), version=1, keep_kv=keep_kv))
 
     outs = run(engine, reqs, update)
-    assert stats["engine/interrupted"] == 5
-    for rid, (prompt, _) in reqs.items():
-        out = outs[rid]
+    for out in outs.values():
         assert out.num_interruptions == 1
         cut = out.output_versions.index(1)
         assert 0 < cut and set(out.output_versions[cut:]) == {1} and set(out.output_versions[:cut]) == {0}
+    return old, new, reqs, outs, {**stats, **engine.stats()}
+
+
+def test_weight_change_mid_generation_tags_versions(model, tok):
+    old, new, reqs, outs, stats = update_mid_generation(model, tok, keep_kv=False)
+    assert stats["engine/interrupted"] == 5 and stats["engine/recomputed_tokens"] > 0
+    for rid, (prompt, _) in reqs.items():
+        out = outs[rid]
+        cut = out.output_versions.index(1)
         ref_old = hf_logprobs(old, prompt, out.output_ids, 1.0)[:cut]
         ref_new = hf_logprobs(new, prompt, out.output_ids, 1.0)[cut:]
         assert max(abs(a - b) for a, b in zip(ref_old + ref_new, out.output_logprobs)) <= 1e-4, rid
+
+
+def test_weight_change_keeping_kv_goes_on_over_the_old_weights_kv(model, tok):
+    """keep_kv (SGLang's update under an in_place pause): nothing is recomputed, and the first token
+    after the update attends to keys and values the old weights computed. Its log-probs equal HF's
+    with the old model's cache continued by the new model, and not a fresh forward of the new one."""
+    old, new, reqs, outs, stats = update_mid_generation(model, tok, keep_kv=True)
+    assert stats["engine/interrupted"] == 0 and stats["engine/kv_kept"] == 5
+    assert stats["engine/recomputed_tokens"] == 0
+    fresh_gap = 0.0
+    for rid, (prompt, _) in reqs.items():
+        out = outs[rid]
+        cut = out.output_versions.index(1)
+        ids = torch.tensor([prompt + out.output_ids])
+        held = len(prompt) + cut - 1  # tokens whose KV the old weights computed before the update
+        with torch.no_grad():
+            cache = old(ids[:, :held], use_cache=True).past_key_values
+            logits = new(ids[:, held:], cache=cache).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        ref_mixed = [lp[j - cut, t].item() for j, t in enumerate(out.output_ids) if j >= cut]
+        ref_old = hf_logprobs(old, prompt, out.output_ids, 1.0)[:cut]
+        assert max(abs(a - b) for a, b in zip(ref_old + ref_mixed, out.output_logprobs)) <= 1e-4, rid
+        fresh = hf_logprobs(new, prompt, out.output_ids, 1.0)[cut:]
+        fresh_gap = max(fresh_gap, max(abs(a - b) for a, b in zip(fresh, ref_mixed)))
+    assert fresh_gap > 1e-3, "the check could not tell kept KV from recomputed KV"
 
 
 def test_update_weights_rejects_bad_state_dict(model, tok):
