@@ -3,6 +3,7 @@
     pip install -c constraints.txt '.[trl]'     # TRL is an optional extra
     python benchmarks/vs_trl.py                 # 3 runs of each: async_rl as `make demo` runs it, then TRL
     python benchmarks/vs_trl.py --ours mode=sync --runs 1
+    python benchmarks/vs_trl.py --seeds 0 1 2        # one run of each per seed: TRL repeats a seed exactly
 
 Both train SmolLM2-135M-Instruct (`configs/smollm2_arith.yaml`: addition word problems over operands
 0..19, chat prompts, exact-answer reward) for `total_steps` steps of `batch_size` answers in groups of
@@ -68,7 +69,7 @@ def ours(run_dir: Path, overrides: list[str]) -> dict:
             "eval_n": evals[-1]["eval/n"]}
 
 
-def trl_worker(out: Path, steps: int, eval_size: int, settings: dict) -> None:
+def trl_worker(out: Path, steps: int, eval_size: int, settings: dict, seed: int | None = None) -> None:
     """One TRL GRPOTrainer run (in its own process: its threads and memory are its own)."""
     import torch
     from datasets import Dataset
@@ -80,7 +81,8 @@ def trl_worker(out: Path, steps: int, eval_size: int, settings: dict) -> None:
     from async_rl.tasks import build_task
     from async_rl.utils.hardware import resolve_dtype
 
-    cfg = load_config(ROOT / CONFIG, [f"total_steps={steps}", f"task.eval_size={eval_size}"])
+    cfg = load_config(ROOT / CONFIG, [f"total_steps={steps}", f"task.eval_size={eval_size}",
+                                      *([f"seed={seed}"] if seed is not None else [])])
     task = build_task(cfg.task)
     tokenizer = load_tokenizer(cfg.model)
     tokenizer.padding_side = "left"
@@ -162,13 +164,14 @@ def trl_worker(out: Path, steps: int, eval_size: int, settings: dict) -> None:
                                "dtype": "bf16 autocast" if bf16 else "fp32", "threads": torch.get_num_threads()}))
 
 
-def trl_run(run_dir: Path, steps: int, eval_size: int, settings: dict) -> dict:
+def trl_run(run_dir: Path, steps: int, eval_size: int, settings: dict, seed: int | None = None) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "trl.json"
     out.unlink(missing_ok=True)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, __file__, "--trl-worker", str(out), "--steps", str(steps),
-                        "--eval-size", str(eval_size), "--trl-settings", json.dumps(settings)],
+                        "--eval-size", str(eval_size), "--trl-settings", json.dumps(settings),
+                        *(["--seed", str(seed)] if seed is not None else [])],
                        cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"TRL run failed ({p.returncode}): {p.stderr[-3000:]}")
@@ -227,6 +230,9 @@ def main() -> None:
     ap.add_argument("--trl", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="GRPOConfig overrides for the TRL runs (e.g. learning_rate=2e-5 gradient_checkpointing=false); "
                          "autocast=false runs TRL in fp32 instead of under bf16 autocast")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="one run of each system per seed (its training prompts, sampling and initial shuffle); "
+                         "TRL is deterministic for a seed, so repeats of one seed are one sample: compare over seeds")
     ap.add_argument("--only", choices=("async_rl", "TRL"), help="run one system only (a settings sweep)")
     ap.add_argument("--name", default=None, help="results file name (default vs_trl)")
     ap.add_argument("--quick", action="store_true", help="2 steps, 16 held-out problems, 1 run: a smoke check")
@@ -234,9 +240,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--eval-size", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--trl-settings", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
-        return trl_worker(Path(args.trl_worker), args.steps, args.eval_size, json.loads(args.trl_settings))
+        return trl_worker(Path(args.trl_worker), args.steps, args.eval_size, json.loads(args.trl_settings), args.seed)
     trl_settings = trl_overrides(args.trl)
     try:
         from trl import __version__ as trl_version
@@ -246,14 +253,16 @@ def main() -> None:
 
     base = load_config(ROOT / CONFIG, args.ours)
     steps, eval_size = (2, 16) if args.quick else (base.total_steps, base.task.eval_size)
-    runs_n = 1 if args.quick else args.runs
+    seeds = [None] * (1 if args.quick else args.runs) if args.seeds is None else args.seeds
+    runs_n = len(seeds)
     extra = ["total_steps=2", "task.eval_size=16", "rollout.eval_every=1"] if args.quick else []
     runs: dict[str, list[dict]] = {s: [] for s in ("async_rl", "TRL") if args.only in (None, s)}
-    for k in range(runs_n):  # alternating, so drift on the machine hits both
+    for k, seed in enumerate(seeds):  # alternating, so drift on the machine hits both
+        seeded = [] if seed is None else [f"seed={seed}"]
         if "async_rl" in runs:
-            runs["async_rl"].append(ours(ROOT / "runs" / "vs_trl" / f"ours_{k}", [*args.ours, *extra]))
+            runs["async_rl"].append(ours(ROOT / "runs" / "vs_trl" / f"ours_{k}", [*args.ours, *extra, *seeded]))
         if "TRL" in runs:
-            runs["TRL"].append(trl_run(ROOT / "runs" / "vs_trl" / f"trl_{k}", steps, eval_size, trl_settings))
+            runs["TRL"].append(trl_run(ROOT / "runs" / "vs_trl" / f"trl_{k}", steps, eval_size, trl_settings, seed))
         for name, rs in runs.items():
             print(f"run {k} {name}: {rs[-1]['train_s']:.0f} s, accuracy "
                   f"{' -> '.join(f'{a:.3f}' for _, a in rs[-1]['curve'])}", flush=True)
@@ -267,7 +276,9 @@ def main() -> None:
         described.append(f"TRL {trl_version} GRPOTrainer ({runs['TRL'][0]['dtype']}, {runs['TRL'][0]['threads']} "
                          f"threads{', ' + ' '.join(args.trl) if args.trl else ''})")
     lines = ["; ".join(described) + f". {steps} steps of {base.trainer.batch_size} answers, {eval_size} held-out "
-             f"problems; {runs_n} run(s) each{', alternating' if len(runs) > 1 else ''}: median (min-max).", "",
+             f"problems; {runs_n} run(s) each{', alternating' if len(runs) > 1 else ''}"
+             f"{'' if args.seeds is None else ', seeds ' + ' '.join(map(str, args.seeds)) + ' (one run per seed)'}"
+             ": median (min-max).", "",
              "| system | training wall clock s | s per step | held-out accuracy before | after | best | "
              f"time to {common:.3f} (all reach it) |", "|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
