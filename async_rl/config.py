@@ -108,6 +108,11 @@ class RolloutConfig:
     # keep the KV the old weights computed and go on at once: no recompute; the tokens sampled after the
     # update are labelled with the new version) | abort (they come back partial and are re-submitted)
     pause_mode: str = "retract"
+    # tokens a generation server gathers per streamed chunk of a rollout request (SGLang's per-request
+    # sampling_params.stream_interval; the first token and the end always come at once). The stream is what
+    # tells this side the tokens so far if a server dies; 1 = a chunk every step, which costs the server
+    # and this side a JSON chunk per token of every request
+    stream_interval: int = 1
     server_addrs: list[str] = field(default_factory=list)  # generation servers started elsewhere; empty = start our own
     num_servers: int = 1  # generation servers to start when server_addrs is empty
     health_interval_s: float = 5.0  # how often each server's health is checked; a failing one leaves rotation
@@ -353,7 +358,8 @@ def validate(cfg: Config) -> None:
     positive = ["total_steps", "rollout.group_size", "rollout.max_new_tokens", "rollout.max_concurrent",
                 "trainer.batch_size", "trainer.minibatches", "trainer.micro_batch_tokens",
                 "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",
-                "transport.capacity", "task.eval_size", "rollout.num_servers", "trainer.world_size", "engine.tp_size",
+                "transport.capacity", "rollout.stream_interval", "task.eval_size", "rollout.num_servers",
+                "trainer.world_size", "engine.tp_size",
                 "weight_sync.bucket_mb", "weight_sync.deadline_s", "rollout.health_interval_s",
                 "ray.placement_timeout_s", "agent.max_assistant_turns", "agent.max_response_tokens",
                 "agent.max_parallel_tool_calls"]

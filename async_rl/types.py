@@ -62,8 +62,9 @@ UNSUPPORTED_SAMPLING = {
     "stop_regex": "stop conditions given as regular expressions",
     "watermark": "watermarking",
 }
-# SGLang keys that change nothing here (text streaming cadence, detokeniser spacing, custom
-# logit-processor arguments without a processor): accepted and dropped.
+# SGLang keys that change nothing in sampling (detokeniser spacing, custom logit-processor arguments
+# without a processor): accepted and dropped; stream_interval, a stream's chunk cadence, is read by the
+# /generate route (generate_route.stream_interval) before the rest become SamplingParams.
 IGNORED_SAMPLING = ("stream_interval", "spaces_between_special_tokens", "custom_params")
 MAX_N = 64  # most samples one request may ask for (`n`)
 

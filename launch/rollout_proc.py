@@ -50,7 +50,8 @@ def _record_eval(cfg: Config, when: str, version: int, stats: dict) -> None:
 def _clients(cfg: Config, addrs: list[str], external: bool) -> list[HttpGenerationClient]:
     api_key = resolve_secret(cfg.engine.api_key, "engine.api_key")  # the servers' bearer token ("" = none)
     try:
-        return [HttpGenerationClient(a, api_key=api_key, pause_mode=cfg.rollout.pause_mode) for a in addrs]
+        return [HttpGenerationClient(a, api_key=api_key, pause_mode=cfg.rollout.pause_mode,
+                                     stream_interval=cfg.rollout.stream_interval) for a in addrs]
     except ValueError as exc:
         raise ValueError(f"rollout.server_addrs: {exc}" if external else str(exc)) from None
 

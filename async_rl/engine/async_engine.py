@@ -154,6 +154,7 @@ class AsyncEngine:
         self._counts = Counter({"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "weight_updates": 0,
                                 "step_errors": 0})
         self._snapshot: dict[str, float] = {}
+        self._deliveries: list[tuple[asyncio.AbstractEventLoop, tuple]] = []  # a step's deltas, sent at its end
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -234,7 +235,18 @@ class AsyncEngine:
         version = self.engine.policy_version
         for out in outputs:
             self._deliver(out, version)
+        self._send_deliveries()
         self._refresh_stats()
+
+    def _send_deliveries(self) -> None:
+        """One wake-up per caller loop per step for all its streams' deltas (not one per stream: with a
+        hundred streams that was a hundred cross-thread wake-ups of the server's event loop a step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, item in self._deliveries:
+            by_loop.setdefault(loop, []).append(item)
+        self._deliveries.clear()
+        for loop, items in by_loop.items():
+            _post_to(loop, _put_all, items)
 
     def _run_commands(self, fail: BaseException | None = None) -> None:
         while True:
@@ -271,7 +283,7 @@ class AsyncEngine:
         if out.finished:
             del self._streams[rid]
             self._counts["aborted" if out.output.finish_reason == "abort" else "finished"] += 1
-        _post_to(stream.loop, stream.queue.put_nowait, (out, version))
+        self._deliveries.append((stream.loop, (stream.queue, (out, version))))
 
     def _abort(self, request_id: str) -> bool:
         """Loop thread: abort in the engine and finish the caller's stream now."""
@@ -482,6 +494,11 @@ def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that caller's event loop is closed: nobody is waiting any more
         pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -69,9 +69,11 @@ def _resumed(params: SamplingParams, done: int) -> SamplingParams:
 
 class HttpGenerationClient:
     """`GenerationClient` over HTTP. `timeout_s` bounds one call (a whole generation); `pause_mode`
-    is how `pause_generation` stops the server (see the module docstring); `api_key` is its bearer token."""
+    is how `pause_generation` stops the server (see the module docstring); `api_key` is its bearer token;
+    `stream_interval` how many tokens `generate_stream` lets the server gather per chunk."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0, pause_mode: str = "retract", api_key: str = ""):
+    def __init__(self, address: str, timeout_s: float = 600.0, pause_mode: str = "retract", api_key: str = "",
+                 stream_interval: int = 1):
         if not address.startswith(("http://", "https://")):
             raise ValueError(f"generation server address must start with http:// or https://, got {address!r}")
         if pause_mode not in PAUSE_MODES:
@@ -79,6 +81,9 @@ class HttpGenerationClient:
         self.address = address.rstrip("/")
         self.timeout_s = timeout_s
         self.pause_mode = pause_mode
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval: must be a positive number of tokens, got {stream_interval!r}")
+        self.stream_interval = stream_interval  # tokens per streamed chunk (SGLang's sampling_params.stream_interval)
         self.weight_version: int | None = None  # last version loaded through this client (None: the server's)
         self.retractions_total = 0  # meta_info.num_retractions summed over answers
         self._updates = 0  # weight updates done through this client
@@ -229,7 +234,8 @@ class HttpGenerationClient:
         rid = request_id or new_id()
         try:
             async with self._http.stream("POST", "/generate",
-                                         json=generate_body(input_ids, sampling_params, rid, stream=True)) as resp:
+                                         json=generate_body(input_ids, sampling_params, rid, stream=True,
+                                                            stream_interval=self.stream_interval)) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     self._check("/generate", resp)

@@ -135,6 +135,7 @@ class GenerateRoute:
                                 "use -1 (output tokens only)")
         if req.stream and params.n > 1:
             raise ApiError(400, "sampling_params.n: n > 1 is not supported with stream: true; stream each sample")
+        stream_interval(req)  # checked before anything is submitted
         rid = req.rid or new_id()
         if prefill_only:
             return self.prefill_only(rid, prompt, req)
@@ -195,9 +196,17 @@ class GenerateRoute:
         """SGLang's streaming shapes: every chunk carries the output so far, or with
         `engine.incremental_streaming_output` only what is new (`sglang_api.incremental_chunk`); then [DONE]."""
         incremental = getattr(self.engine.engine.config, "incremental_streaming_output", False)
+        interval = stream_interval(req)
         sent = sent_text = 0
+        streamed = 0  # output tokens the chunks so far covered
         try:
             async for delta in handle:
+                unsent = len(handle.output_ids) - streamed
+                # SGLang's cadence (output_streamer.py): every step at 1; else the first token at once, then
+                # whenever `interval` tokens are unsent; the end always
+                if not delta.finished and interval > 1 and not (unsent >= interval or (streamed == 0 and unsent)):
+                    continue
+                streamed = len(handle.output_ids)
                 out = delta.output if delta.finished else GenerationOutput(
                     request_id=handle.request_id, prompt_len=handle.prompt_len, output_ids=handle.output_ids,
                     output_logprobs=handle.logprobs, output_versions=handle.versions, finish_reason="abort",
@@ -210,6 +219,16 @@ class GenerateRoute:
             yield sse("[DONE]")
         finally:
             await handle.aclose()
+
+
+def stream_interval(req: GenerateRequest) -> int:
+    """`sampling_params.stream_interval` (SGLang's per-request chunk cadence, in tokens; null = 1), checked."""
+    value = (req.sampling_params or {}).get("stream_interval")
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ApiError(400, f"sampling_params.stream_interval: must be a positive number of tokens, got {value!r}")
+    return value
 
 
 def add_generate_route(app: FastAPI, engine: AsyncEngine, tokenizer: Any, retracted: Counter[str]) -> None:

@@ -26,14 +26,19 @@ from async_rl.types import GenerationOutput, SamplingParams
 
 
 # --------------------------------------------------------------------------- request
-def generate_body(input_ids: list[int], params: SamplingParams, rid: str, *, stream: bool = False) -> dict[str, Any]:
-    """A /generate body both servers accept, asking for the log-prob of every sampled token."""
+def generate_body(input_ids: list[int], params: SamplingParams, rid: str, *, stream: bool = False,
+                  stream_interval: int = 1) -> dict[str, Any]:
+    """A /generate body both servers accept, asking for the log-prob of every sampled token. A stream with
+    `stream_interval` > 1 asks for a chunk only once that many tokens are unsent (SGLang's per-request
+    `sampling_params.stream_interval`; the first token and the end always come at once)."""
     body: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "rid": rid, "return_logprob": True,
                             "sampling_params": params.to_wire()}
     if params.top_logprobs:
         body["top_logprobs_num"] = params.top_logprobs
     if stream:
         body["stream"] = True
+        if stream_interval > 1:
+            body["sampling_params"]["stream_interval"] = int(stream_interval)
     return body
 
 

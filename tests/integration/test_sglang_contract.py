@@ -85,6 +85,31 @@ def _check_continued(target: Target, ref, outs, old: int, new: int) -> None:
             assert max(abs(a - b) for a, b in zip(o.output_logprobs, r.output_logprobs)) <= 1e-4
 
 
+def test_a_stream_gathers_stream_interval_tokens_per_chunk(target):
+    """SGLang's per-request `sampling_params.stream_interval` (managers/scheduler_components/output_streamer.py):
+    the first token at once, then a chunk whenever that many tokens are unsent, and the end; the answer is
+    the one an interval of 1 streams. What the rollout side asks for with `rollout.stream_interval`."""
+    async def body(c):
+        c.stream_interval = 4
+        chunked = [len(out.output_ids) async for out, _ in c.generate_stream(target.prompts[1], greedy(14))]
+        c.stream_interval = 1
+        every = [out async for out, _ in c.generate_stream(target.prompts[1], greedy(14))]
+        return chunked, every
+
+    chunked, every = run(target, body)
+    assert [len(o.output_ids) for o in every] == list(range(1, 15))
+    if target.exact:  # one token a step: the cadence is exact
+        assert chunked == [1, 5, 9, 13, 14], chunked
+    assert chunked[-1] == 14 and len(chunked) < len(every)
+    with httpx.Client(base_url=target.url, timeout=60, trust_env=False) as http:
+        for bad in (0, "4", True):
+            body = generate_body(target.prompts[1], greedy(4), f"bad-interval-{bad}", stream=True)
+            body["sampling_params"]["stream_interval"] = bad
+            if target.exact:  # the embedded server names the field (SGLang's own refusal differs)
+                resp = http.post("/generate", json=body)
+                assert resp.status_code == 400 and "stream_interval" in resp.text, resp.text
+
+
 @pytest.mark.parametrize("mode", ["retract", "abort", "in_place"])
 def test_weight_update_under_each_pause_mode(target, mode):
     async def body(c):
