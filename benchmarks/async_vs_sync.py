@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import drop_bulk, write_results  # noqa: E402
 
 SETUPS = {"pools": ["cores.engine=[0]", "cores.trainer=[1]", "cores.share=false"], "shared": ["cores.share=true"]}
 
@@ -48,6 +48,7 @@ def run_one(config: str, steps: int, setup: str, mode: str, eta: int, run_dir: P
     total_wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"{setup} {mode} eta={eta} failed:\n{res.stderr[-2000:]}")
+    drop_bulk(run_dir)
     return measure(run_dir, warmup) | {"setup": setup, "setting": mode + (f" eta={eta}" if mode == "async" else ""),
                                        "total_wall_s": total_wall}
 

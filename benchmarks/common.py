@@ -58,6 +58,15 @@ def gemm_roof(shapes: list[tuple[int, int, int]], dtype: "torch.dtype | None" = 
     return best, name
 
 
+def drop_bulk(run_dir: Path) -> None:
+    """Delete a finished benchmark run's checkpoints and weight versions (hundreds of MB a run; a sweep of
+    dozens filled the disk): what the tables read (metrics, evaluations, logs, ledgers) stays."""
+    import shutil
+
+    for sub in ("checkpoints", "weights"):
+        shutil.rmtree(Path(run_dir) / sub, ignore_errors=True)
+
+
 def command() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
 

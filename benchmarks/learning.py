@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import drop_bulk, write_results  # noqa: E402
 
 SETTINGS = {
     "sync": ["mode=sync"],
@@ -66,8 +65,7 @@ def run_one(args: argparse.Namespace, label: str, seed: int, run_dir: Path) -> d
     if res.returncode != 0:
         raise SystemExit(f"{label} seed {seed} failed:\n{res.stderr[-2000:]}")
     row = summarise(label, seed, run_dir, time.perf_counter() - t0)
-    for bulky in ("checkpoints", "weights"):  # ~3.5 GB a run with SmolLM2 (model + Adam state): 18 runs fill a disk
-        shutil.rmtree(run_dir / bulky, ignore_errors=True)
+    drop_bulk(run_dir)  # ~3.5 GB a run with SmolLM2 (model + Adam state): 18 runs fill a disk
     return row
 
 

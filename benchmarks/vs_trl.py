@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, write_results  # noqa: E402
+from benchmarks.common import RESULTS, drop_bulk, write_results  # noqa: E402
 from benchmarks.demo import rows  # noqa: E402
 
 CONFIG = "configs/smollm2_arith.yaml"
@@ -58,6 +58,7 @@ def ours(run_dir: Path, overrides: list[str]) -> dict:
                         "log.progress=false", *overrides], cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"async_rl run failed ({p.returncode}): {p.stderr[-2000:]}")
+    drop_bulk(run_dir)  # SmolLM2's checkpoints with Adam state: GBs a run
     evals = rows(run_dir / "eval.jsonl")
     metrics = rows(run_dir / "metrics.jsonl")
     started = next(r["time"] for r in rows(run_dir / "rollout_metrics.jsonl") if "rollout/generation_started" in r)
