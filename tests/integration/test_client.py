@@ -185,3 +185,25 @@ def test_streams_of_either_shape_give_the_same_output(srv):
         assert out.output_ids == whole.output_ids and out.output_logprobs == whole.output_logprobs
         assert out.output_top_logprobs == whole.output_top_logprobs and out.output_versions == whole.output_versions
         assert out.finish_reason == "length"
+
+
+def test_concurrent_streams_spread_over_the_connection_pools(srv):
+    """httpcore walks every connection of a pool whenever a request starts or a response closes, so one pool
+    holding every stream cost the rollout process most of its CPU (ShardedTransport's docstring). With 24
+    streams in flight each of the 8 pools holds 3 connections, and every answer is whole."""
+    from async_rl.engine.client import POOL_SHARDS
+
+    async def body(c):
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+
+        async def one(i):
+            outs = [out async for out, _ in c.generate_stream(srv.tok.encode(f"{i}+1="), params)]
+            return outs[-1]
+
+        outs = await asyncio.gather(*(one(i) for i in range(3 * POOL_SHARDS)))
+        per_pool = [len(pool._pool.connections) for pool in c._http._transport._pools]
+        return outs, per_pool
+
+    outs, per_pool = run_with_client(srv.url, body)
+    assert all(len(o.output_ids) == 12 for o in outs)
+    assert len(per_pool) == 8 and max(per_pool) <= 3, per_pool
