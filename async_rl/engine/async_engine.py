@@ -480,7 +480,6 @@ class AsyncEngine:
         self._counts["weight_updates"] += 1
         if self._partial is not None and self._held:
             self._paused = False
-        self._keep_kv = False  # paused in SGLang's mode in_place: an update now keeps the KV in flight
         self._partial, self._held = None, False
 
     def _check_newer(self, version: int) -> None:

@@ -184,3 +184,8 @@ async def refuse_unflushable(engine: AsyncEngine, flush_cache: bool) -> None:
         raise ApiError(400, "flush_cache: requests paused in mode in_place hold KV, and the cache cannot be flushed "
                             "while they run (SGLang loads the weights, then fails the update); pause in mode retract "
                             "or send flush_cache: false")
+
+
+def paused_requests(stats: dict[str, float]) -> int:
+    """An update's requests in flight: those that recompute their KV and those that keep it."""
+    return int(stats.get("engine/interrupted", 0) + stats.get("engine/kv_kept", 0))

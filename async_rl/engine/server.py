@@ -53,7 +53,7 @@ from async_rl.engine.async_engine import AsyncEngine, EngineStoppedError
 from async_rl.engine.generate_route import add_generate_route
 from async_rl.engine.http_auth import BearerGuard
 from async_rl.engine.http_common import (ApiError, StatusCounter, Strict, error_response, install_error_handlers,
-                                         refuse_unflushable, version_label)
+                                         paused_requests, refuse_unflushable, version_label)
 from async_rl.engine.openai_api import add_openai_routes
 from async_rl.engine.weight_routes import weight_router
 from async_rl.engine.weight_session import WeightUpdateSession
@@ -151,7 +151,7 @@ class _Control:
             raise ApiError(400, f"model_path: cannot load {req.model_path!r}: {first}") from None
         self.model_path = req.model_path  # SGLang's /model_info reports the weights' path from now on
         return {"success": True, "message": f"loaded weight version {version} from {req.model_path}",
-                "weight_version": version, "num_paused_requests": int(stats.get("engine/interrupted", 0)),
+                "weight_version": version, "num_paused_requests": paused_requests(stats),
                 "num_aborted_requests": aborted, **stats}
 
     async def flush_cache(self) -> Response:

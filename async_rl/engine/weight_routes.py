@@ -34,7 +34,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine
-from async_rl.engine.http_common import ApiError, refuse_unflushable, version_label
+from async_rl.engine.http_common import ApiError, paused_requests, refuse_unflushable, version_label
 from async_rl.engine.weight_session import WeightUpdateSession
 from async_rl.weight_sync.dist_server import DistWeightGroups
 from async_rl.weight_sync.layout import dtype_name
@@ -117,7 +117,7 @@ def weight_router(engine: AsyncEngine, session: WeightUpdateSession) -> APIRoute
         done = engine.weight_version if stats.get("engine/weights_complete") else None
         return {"success": True, "message": f"loaded {len(tensors)} tensors from group {req.group_name!r}" +
                 (f"; weight version {done} in use" if done is not None else ""),
-                "weight_version": done, "num_paused_requests": int(stats.get("engine/interrupted", 0)),
+                "weight_version": done, "num_paused_requests": paused_requests(stats),
                 "num_aborted_requests": aborted, **stats}
 
     @router.post("/destroy_weights_update_group")
