@@ -31,7 +31,8 @@ def rollout_metrics(run_dir: Path) -> list[dict]:
 # one leaves the bound to the staleness gate, whose checks (admission.py) then fail without it; eta=1
 # moves the weights over a torch.distributed group (gloo), the GPU path's transport; eta=4 is paced
 # (rollout.pace: the trainer tells the rollout side what it found ready, and its gate moves within eta)
-# and its updates keep the KV in flight (rollout.pause_mode=in_place: nothing is recomputed)
+# and pauses its servers in_place for updates (rollout.pause_mode; what an in_place update does to the KV in
+# flight is checked in tests/unit/test_engine_core.py: on this fast task few requests are in flight then)
 @pytest.mark.parametrize("mode,eta,extra", [("async", 1, ["weight_sync.transport=dist"]),
                                             ("async", 4, ["transport.capacity=1024", "rollout.pace=true",
                                                           "rollout.pause_mode=in_place"]),
@@ -55,11 +56,6 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
         assert rows[0]["queue/buffered_at_ask"] < 64  # the first batch is always waited for
         aheads = [r["rollout/ahead"] for r in rollout_metrics(tmp_path) if "rollout/ahead" in r]
         assert aheads and all(1 <= a <= eta for a in aheads), aheads
-    engine = [r for r in rollout_metrics(tmp_path) if "engine/recomputed_tokens" in r][-1]
-    if "rollout.pause_mode=in_place" in extra and engine["engine/preemptions"] == 0:
-        assert engine["engine/recomputed_tokens"] == 0, engine  # updates kept the KV in flight
-    elif mode == "async" and engine["engine/weight_updates_total"] > 0:
-        assert engine["engine/recomputed_tokens"] > 0, engine  # retract: the KV in flight was recomputed
     if mode == "sync":
         assert all(r["rollout/interrupted"] == 0 for r in rows)
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
