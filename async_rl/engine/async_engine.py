@@ -246,7 +246,7 @@ class AsyncEngine:
         Accepted while paused: the request then waits for `resume()`."""
         loop = asyncio.get_running_loop()
         prompt = list(prompt_ids)
-        handle = RequestHandle(self, request_id, len(prompt))
+        handle = RequestHandle(lambda: self._post(lambda: self._abort(request_id)), request_id, len(prompt))
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params)

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from async_rl.engine.llm_engine import StepOutput
 from async_rl.types import GenerationOutput
-
-if TYPE_CHECKING:
-    from async_rl.engine.async_engine import AsyncEngine
 
 
 class _Stream:
@@ -50,7 +47,7 @@ class RequestHandle:
     and `output`); `output_ids`/`logprobs`/`versions`/`top` accumulate as deltas are consumed.
     `aclose()` aborts the request if it has not finished."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, prompt_len: int):
+    def __init__(self, abort: Callable[[], None], request_id: str, prompt_len: int):
         self.request_id = request_id
         self.prompt_len = prompt_len
         self.output_ids: list[int] = []
@@ -58,7 +55,7 @@ class RequestHandle:
         self.versions: list[int] = []  # policy version that sampled each token
         self.top: list[list[tuple[int, float]]] | None = None  # top log-probs per token, when asked for
         self.output: GenerationOutput | None = None
-        self._engine = engine
+        self._abort = abort  # asks the engine's loop thread to abort this request
         self._queue: asyncio.Queue[tuple[StepOutput, int]] = asyncio.Queue()
 
     @property
@@ -90,7 +87,7 @@ class RequestHandle:
 
     async def aclose(self) -> None:
         if self.output is None:
-            self._engine._post(lambda: self._engine._abort(self.request_id))
+            self._abort()
 
 
 def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
