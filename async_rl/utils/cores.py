@@ -154,10 +154,26 @@ def _alive(pid: int) -> bool:
 
 
 def refresh_per_layer(model: torch.nn.Module, share: CoreShare) -> None:
-    """Re-check the core share before every decoder layer's forward (backward follows suit)."""
-    def hook(module: torch.nn.Module, args: tuple) -> None:  # a pre-hook that returns None keeps the inputs
+    """Re-check the core share before every decoder layer's forward and before its backward.
+
+    The backward needs its own check: torch keeps the thread count the last forward layer set, and
+    the backward is two thirds of a train step. In an async run on shared cores the engine tends to
+    be busy when a step starts (new weights, a new batch to generate) and to go idle at the staleness
+    gate while the trainer is in its backward: a forward-only check never saw that, and the trainer
+    ran on its own share while the other cores waited. The backward check is a hook on each layer's
+    output, which autograd runs as that output's gradient arrives; it leaves the gradient as it is."""
+    def before_forward(module: torch.nn.Module, args: tuple) -> None:  # a pre-hook that returns None keeps the inputs
         share.refresh()
+
+    def before_backward(grad: torch.Tensor) -> None:  # a tensor hook that returns None keeps the gradient
+        share.refresh()
+
+    def after_forward(module: torch.nn.Module, args: tuple, output) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(before_backward)
 
     layers = getattr(getattr(model, "model", None), "layers", None) or [model]
     for layer in layers:
-        layer.register_forward_pre_hook(hook)
+        layer.register_forward_pre_hook(before_forward)
+        layer.register_forward_hook(after_forward)

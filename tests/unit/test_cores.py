@@ -50,3 +50,28 @@ def test_refresh_per_layer_keeps_forward_outputs(tmp_path):
     before = model(ids).logits
     refresh_per_layer(model, CoreShare(tmp_path / ".cores", slot=0, share=1, total=2))
     assert torch.equal(model(ids).logits, before)
+
+
+def test_refresh_per_layer_takes_cores_freed_during_the_backward(tmp_path):
+    """A neighbour that goes idle after the forward is seen in the backward, with the same gradients."""
+    from async_rl.config import ModelConfig
+    from async_rl.models import build_tiny_tokenizer, load_model
+
+    tok = build_tiny_tokenizer("01+=")
+    model = load_model(ModelConfig(dtype="float32", tiny_alphabet="01+="), seed=0, tokenizer=tok)
+    ids = torch.tensor([tok.encode("1+1=")])
+    model(ids).logits.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    path = tmp_path / ".cores"
+    trainer = CoreShare(path, slot=0, share=1, total=2)
+    engine = CoreShare(path, slot=1, share=1, total=2)
+    refresh_per_layer(model, trainer)
+    loss = model(ids).logits.sum()
+    assert torch.get_num_threads() == 1  # the forward ran on the trainer's own share
+    engine.idle()  # the engine reaches the staleness gate while the trainer is between forward and backward
+    loss.backward()
+    assert torch.get_num_threads() == 2  # the backward took the freed core
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    engine.leave()
+    trainer.leave()
