@@ -33,8 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from async_rl.engine.llm_engine import LLMEngine, StepOutput
-from async_rl.engine.streams import (RequestHandle, _post_to, _put_all, _set_exception, _set_result,
-                                     _Stream)
+from async_rl.engine.streams import RequestHandle, Stream, post_to, put_all, set_exception, set_result
 from async_rl.types import GenerationOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class AsyncEngine:
         self._keep_kv = False  # paused in SGLang's mode in_place: an update now keeps the KV in flight
         self._partial: set[str] | None = None  # names loaded of a version that arrives in parts (loop thread)
         self._held = False  # the loop was paused for that version and resumes once it is complete
-        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._streams: dict[str, Stream] = {}  # loop thread only
         self._stale_aborts: Counter[str] = Counter()  # early-finished aborts whose engine report is still due
         self._counts = Counter({"requests": 0, "finished": 0, "aborted": 0, "steps": 0, "weight_updates": 0,
                                 "step_errors": 0})
@@ -171,7 +170,7 @@ class AsyncEngine:
             by_loop.setdefault(loop, []).append(item)
         self._deliveries.clear()
         for loop, items in by_loop.items():
-            _post_to(loop, _put_all, items)
+            post_to(loop, put_all, items)
 
     def _run_commands(self, fail: BaseException | None = None) -> None:
         while True:
@@ -181,7 +180,7 @@ class AsyncEngine:
                 return
             if fail is not None:
                 if fut is not None:
-                    _post_to(loop, _set_exception, fut, fail)
+                    post_to(loop, set_exception, fut, fail)
                 continue
             try:
                 result = fn()
@@ -189,10 +188,10 @@ class AsyncEngine:
                 if fut is None:
                     logger.exception("engine command failed")
                 else:
-                    _post_to(loop, _set_exception, fut, exc)
+                    post_to(loop, set_exception, fut, exc)
             else:
                 if fut is not None:
-                    _post_to(loop, _set_result, fut, result)
+                    post_to(loop, set_result, fut, result)
 
     def _deliver(self, out: StepOutput, version: int) -> None:
         rid = out.request_id
@@ -220,7 +219,7 @@ class AsyncEngine:
         self._counts["aborted"] += 1
         output = stream.aborted(request_id, self._counts["weight_updates"])
         final = StepOutput(request_id, [], [], None, True, output)
-        _post_to(stream.loop, stream.queue.put_nowait, (final, self.weight_version))
+        post_to(stream.loop, stream.queue.put_nowait, (final, self.weight_version))
         return True
 
     def _refresh_stats(self) -> None:
@@ -250,7 +249,7 @@ class AsyncEngine:
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = _Stream(loop, handle._queue, len(prompt), params.top_logprobs > 0,
+            self._streams[request_id] = Stream(loop, handle._queue, len(prompt), params.top_logprobs > 0,
                                                 self._counts["weight_updates"])
             self._counts["requests"] += 1
 

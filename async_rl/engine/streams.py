@@ -1,4 +1,4 @@
-"""Where an engine step's output goes: per-request records on the loop thread (`_Stream`) and the
+"""Where an engine step's output goes: per-request records on the loop thread (`Stream`) and the
 caller's async iterator over its deltas (`RequestHandle`), with the helpers that cross from the
 loop thread to a caller's event loop. `AsyncEngine` (async_engine.py) owns and feeds them.
 """
@@ -13,7 +13,7 @@ from async_rl.engine.llm_engine import StepOutput
 from async_rl.types import GenerationOutput
 
 
-class _Stream:
+class Stream:
     """Loop-thread record of one request: where its deltas go and what it has produced so far."""
 
     __slots__ = ("loop", "queue", "prompt_len", "output_ids", "logprobs", "versions", "top", "updates_at_start")
@@ -90,23 +90,23 @@ class RequestHandle:
             self._abort()
 
 
-def _post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+def post_to(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that caller's event loop is closed: nobody is waiting any more
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+def put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
     for q, item in items:
         q.put_nowait(item)
 
 
-def _set_result(fut: asyncio.Future, value: Any) -> None:
+def set_result(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
 
 
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+def set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)

@@ -160,8 +160,10 @@ def refresh_per_layer(model: torch.nn.Module, share: CoreShare) -> None:
     the backward is two thirds of a train step. In an async run on shared cores the engine tends to
     be busy when a step starts (new weights, a new batch to generate) and to go idle at the staleness
     gate while the trainer is in its backward: a forward-only check never saw that, and the trainer
-    ran on its own share while the other cores waited. The backward check is a hook on each layer's
-    output, which autograd runs as that output's gradient arrives; it leaves the gradient as it is."""
+    ran on its own share while the other cores waited (frozen shared async vs sync at eta=2, 3 rounds:
+    1.19x without this check, 1.47x with it; the demo: no measurable change). The backward check is
+    a hook on each layer's output, which autograd runs as that output's gradient arrives; it leaves
+    the gradient as it is."""
     def before_forward(module: torch.nn.Module, args: tuple) -> None:  # a pre-hook that returns None keeps the inputs
         share.refresh()
 

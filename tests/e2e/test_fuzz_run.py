@@ -52,7 +52,7 @@ from tests.e2e.fuzz_inputs import http_requests, queue_frames
 from tests.e2e.test_fencing import start, wait_for
 from tests.e2e.test_run import DEBUG, cli, metrics
 
-STEPS, BATCH = 48, 64  # the debug config's batch; 48 steps at eta=0 outlast the fuzz (which ends near step 24 since the server answers without delay)
+STEPS, BATCH = 48, 64  # the debug config's batch; 48 steps at eta=0 outlast the fuzz (which ends near step 18: see above)
 REPRODUCIBLE = ["max_staleness=0", "model.dtype=float32", "trainer.compute_dtype=float32"]  # learning as every run
 N_FRAMES, N_SOCKETS = 100_000, 4
 N_REQUESTS, N_CLIENTS, N_CONNECTIONS = 10_000, 4, 8

@@ -206,4 +206,4 @@ def test_concurrent_streams_spread_over_the_connection_pools(srv):
 
     outs, per_pool = run_with_client(srv.url, body)
     assert all(len(o.output_ids) == 12 for o in outs)
-    assert len(per_pool) == 8 and max(per_pool) <= 3, per_pool
+    assert len(per_pool) == POOL_SHARDS and max(per_pool) <= 3, per_pool
