@@ -103,6 +103,11 @@ class RolloutConfig:
     # says, this side's setting decides); false = always max_staleness ahead, so a run the trainer
     # bottlenecks trains data about max_staleness versions old
     pace: bool = False
+    # async: the pipeline starts one batch deep and admits the next version's batch whenever fewer than
+    # fill_ramp x batch_size admitted trajectories are still generating, until max_staleness deep, so the
+    # first batch (the trainer waits for it) does not share every decode step with eta more
+    # (rollout/staleness.py); 0 = admit all max_staleness + 1 batches at once
+    fill_ramp: float = 0.25
     # how a weight update stops each generation server (SGLang's /pause_generation modes): retract (the
     # requests in flight keep their tokens and recompute their KV under the new weights) | in_place (they
     # keep the KV the old weights computed and go on at once: no recompute; the tokens sampled after the
@@ -373,7 +378,7 @@ def validate(cfg: Config) -> None:
     for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
                      ("trainer.micro_batch_overhead_tokens", 0), ("trainer.checkpoint_every", 0),
                      ("trainer.loss_agg_tokens", 0), ("trainer.kl_coef", 0),
-                     ("trainer.keep_checkpoints", 0)):
+                     ("trainer.keep_checkpoints", 0), ("rollout.fill_ramp", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")
     if not 0 <= cfg.trainer.checkpoint_budget < 1:

@@ -74,6 +74,7 @@ class RolloutController:
         self.superseded = 0  # weight versions skipped: pruned behind newer ones before any server loaded them
         self._attempts: dict[asyncio.Task, int] = {}  # generations in flight -> the version each started under
         self._running: dict[int, asyncio.Task] = {}  # prompt position -> its group, until generated
+        self._generating = 0  # trajectories admitted and not finished (the gate's fill ramp reads it)
         self._joined_version = 0
         self._stop = asyncio.Event()
         self._error: BaseException | None = None
@@ -96,19 +97,26 @@ class RolloutController:
         # the sampling seed depends only on the run seed, the sample and its place in the group, so a
         # run is reproducible and eta=0 async samples exactly what sync does
         params = dataclasses.replace(self.params, seed=derive_seed(self._seed, sample.id, index))
-        async with self.slots:
-            while True:  # one attempt, or more when an attempt went too stale to be trained (see _restart_stale)
-                attempt = asyncio.create_task(self._attempt(sample, params, group_id))
-                self._attempts[attempt] = self.gate.version
-                try:
-                    await asyncio.wait({attempt})
-                except asyncio.CancelledError:  # the group itself is cancelled (end of run)
-                    attempt.cancel()
-                    raise
-                finally:
-                    self._attempts.pop(attempt, None)
-                if not attempt.cancelled():
-                    return attempt.result()
+        try:
+            async with self.slots:
+                return await self._attempts_until_done(sample, params, group_id)
+        finally:
+            self._generating -= 1  # admitted, generating or waiting for a slot, until here
+            self.gate.notify()  # the fill ramp may admit more now
+
+    async def _attempts_until_done(self, sample: Sample, params: SamplingParams, group_id: str):
+        while True:  # one attempt, or more when an attempt went too stale to be trained (see _restart_stale)
+            attempt = asyncio.create_task(self._attempt(sample, params, group_id))
+            self._attempts[attempt] = self.gate.version
+            try:
+                await asyncio.wait({attempt})
+            except asyncio.CancelledError:  # the group itself is cancelled (end of run)
+                attempt.cancel()
+                raise
+            finally:
+                self._attempts.pop(attempt, None)
+            if not attempt.cancelled():
+                return attempt.result()
 
     async def _attempt(self, sample: Sample, params: SamplingParams, group_id: str):
         client = PooledGenerationClient(self.pool, sticky=True, acquire_timeout_s=self.cfg.rollout.connect_timeout_s,
@@ -162,9 +170,10 @@ class RolloutController:
     async def _admit_loop(self, samples: Iterator[tuple[int, Sample]]) -> None:
         n = self.cfg.rollout.group_size
         while not self._stop.is_set():
-            await self.gate.wait_admit(n)
+            await self.gate.wait_admit(n, lambda: self._generating)
             if self._stop.is_set():
                 return
+            self._generating += n
             self._spawn(self._group(*next(samples)))
 
     def _samples(self, seed: int) -> Iterator[tuple[int, Sample]]:

@@ -2,7 +2,8 @@
 
 It does what `RolloutController` does, in the same order, calling the same code:
 - admission: one group of `rollout.group_size` per prompt position, in stream order, while the
-  real `StalenessGate.try_admit` lets it (the gate built by `StalenessGate.for_config`);
+  real `StalenessGate.try_admit` lets it (the gate built by `StalenessGate.for_config`), its fill
+  ramp read again whenever a trajectory finishes (`gate.ramp`, as `wait_admit` does);
 - `rollout.max_concurrent` slots, taken first come first served (the controller's semaphore);
   each attempt goes to the server with the fewest requests in flight (the pool's rule);
 - a weight update pauses every server, loads, continues, then `gate.set_version`, and, with
@@ -82,7 +83,11 @@ class SimRollout:
     # ------------------------------------------------------------------ admission
     def admit(self) -> None:
         n = self.cfg.rollout.group_size
-        while self.gate.try_admit(n):
+        while True:
+            if not self.gate.try_admit(n):
+                if self.gate.ramp(len(self.attempts) + len(self._slot_queue)):
+                    continue
+                return
             group = _Group(self.position)
             self.position += 1
             group.samples = [_Sample(group, self.prompt_len, self.draw_length()) for _ in range(n)]
@@ -117,6 +122,7 @@ class SimRollout:
         group.left -= 1
         if group.left == 0:
             self.push([s.result for s in group.samples])
+        self.admit()  # the fill ramp may admit more now
 
     def release(self, n: int) -> None:
         """The trainer dropped `n` admitted trajectories without a train step."""

@@ -58,13 +58,24 @@ logger = logging.getLogger(__name__)
 
 
 def take_groups(buffer: deque, num_trajectories: int) -> list:
-    """The trainer's batch: whole groups from the front of `buffer` (arrival order) until they
-    total >= num_trajectories (the caller checked that many are buffered). Pure, so the
-    simulator (`async_rl/sim`) batches by the same rule."""
-    groups, taken = [], 0
-    while taken < num_trajectories:
-        groups.append(buffer.popleft())
-        taken += len(groups[-1])
+    """The trainer's batch: whole groups from `buffer` until they total >= num_trajectories (the caller
+    checked that many are buffered), the oldest first: by the oldest policy version any of a group's
+    tokens came from, ties in arrival order. A group that finished late (long answers) would otherwise
+    wait behind younger ones that arrived before it, and go over the staleness bound while it waits.
+    The rest stay in arrival order. Pure, so the simulator (`async_rl/sim`) batches by the same rule."""
+    ages = [min(t.oldest_version() for t in group) for group in buffer]
+    order = sorted(range(len(ages)), key=ages.__getitem__)  # stable: arrival order among equals
+    picked, taken = [], 0
+    for i in order:
+        if taken >= num_trajectories:
+            break
+        picked.append(i)
+        taken += len(buffer[i])
+    groups = [buffer[i] for i in picked]
+    chosen = set(picked)
+    rest = [g for i, g in enumerate(buffer) if i not in chosen]
+    buffer.clear()
+    buffer.extend(rest)
     return groups
 
 
@@ -133,7 +144,7 @@ class TrajectoryQueueServer:
     # ------------------------------------------------------------------ training-loop side
     def get_groups(self, num_trajectories: int, timeout: float | None = None, *,
                    ack: bool = True) -> list[list[Trajectory]]:
-        """Whole groups in arrival order totalling >= num_trajectories; raises QueueTimeout."""
+        """Whole groups totalling >= num_trajectories, the oldest first (`take_groups`); raises QueueTimeout."""
         if not 1 <= num_trajectories <= self.capacity:
             raise ValueError(f"get_groups: num_trajectories must be in [1, capacity={self.capacity}], "
                              f"got {num_trajectories}")

@@ -23,8 +23,10 @@ def profile(per_token_s=C, length=L, **engine):
         "config": {"trainer.batch_size": B, "rollout.group_size": N, "rollout.max_concurrent": 100_000}})
 
 
-def run(p, mode, eta, steps=12, placement=Placement.pools(1, 1)):
-    return simulate(p, sim_config(p, [f"mode={mode}", f"max_staleness={eta}", f"total_steps={steps}"]), placement)
+def run(p, mode, eta, steps=12, placement=Placement.pools(1, 1), ramp=0):
+    """The closed forms below are those of a pipeline admitted eta + 1 batches deep at once (no fill ramp)."""
+    return simulate(p, sim_config(p, [f"mode={mode}", f"max_staleness={eta}", f"total_steps={steps}",
+                                      f"rollout.fill_ramp={ramp}"]), placement)
 
 
 def test_sync_takes_generation_plus_training_every_step():
@@ -48,6 +50,22 @@ def test_async_on_pools_takes_the_slower_side_per_step(per_token_s, eta):
     if t > g:
         assert all(b - a == pytest.approx(t, rel=1e-9) for a, b in zip(ends[-cycle:], ends[-cycle + 1:]))
     assert result.staleness_hist[-1] == 0  # nothing over the bound reaches the trainer
+
+
+@pytest.mark.parametrize("eta", [1, 4])
+def test_the_fill_ramp_generates_the_first_batch_alone(eta):
+    """Admitted eta + 1 batches deep at once, the first batch shares every decode step with eta more, so
+    the trainer starts after (eta + 1) G; ramped (the default), it starts after G, as sync does. Trained
+    to the end, the ramp is ahead by what it saved when training is the slower side."""
+    g, t = L * A * B, 20 * C * B * (P + L)
+    burst, ramped = run(profile(), "async", eta, ramp=0), run(profile(), "async", eta, ramp=0.25)
+    assert burst.records[0].end_s == pytest.approx((eta + 1) * g + C * B * (P + L), rel=1e-9)
+    assert ramped.records[0].end_s == pytest.approx(g + C * B * (P + L), rel=1e-9)
+    slow_burst, slow_ramped = (run(profile(20 * C), "async", eta, steps=20, ramp=r) for r in (0, 0.25))
+    assert slow_ramped.wall_s == pytest.approx(slow_burst.wall_s - eta * g, rel=1e-9)
+    assert slow_ramped.wall_s == pytest.approx(g + 20 * t, rel=1e-9)
+    for r in (ramped, slow_ramped):
+        assert r.staleness_hist[-1] == 0  # the bound holds while it ramps
 
 
 def test_a_decode_run_cut_by_arrivals_costs_what_single_steps_cost():

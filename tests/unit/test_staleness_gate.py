@@ -145,3 +145,68 @@ def test_for_config_paces_only_async_runs_that_ask():
     assert StalenessGate.for_config(load_config(None, ["mode=async", "rollout.pace=true"])).paced
     assert not StalenessGate.for_config(load_config(None, ["mode=async"])).paced
     assert not StalenessGate.for_config(load_config(None, ["mode=sync", "rollout.pace=true"])).paced
+    assert StalenessGate.for_config(load_config(None, ["mode=async", "max_staleness=2"])).ahead == 0  # ramps
+    assert StalenessGate.for_config(load_config(None, ["mode=async", "max_staleness=2",
+                                                       "rollout.fill_ramp=0"])).ahead == 2
+
+
+def test_the_fill_ramp_starts_one_batch_deep_deepens_only_while_few_generate_and_goes_full_at_the_first_version():
+    b = 8
+    gate = StalenessGate(b, 3, fill_ramp=0.25)  # deepen while fewer than 2 of the admitted still generate
+    assert (gate.ahead, gate.limit) == (0, b)  # the first batch alone
+    assert not gate.ramp(2)  # a quarter of a batch still generating: not yet
+    assert gate.ramp(1) and gate.limit == 2 * b
+    assert gate.ramp(0) and gate.ramp(0) and gate.ahead == 3
+    assert not gate.ramp(0) and gate.ahead == 3  # never past eta
+    again = StalenessGate(b, 3, fill_ramp=0.25)
+    assert again.ramp(0) and again.ahead == 1
+    again.set_version(1)  # the first batch is trained: full depth at once, and the ramp is over
+    assert (again.ahead, again.limit) == (3, 5 * b)
+    paced = StalenessGate(b, 3, pace=True, fill_ramp=0.25)
+    paced.pace(2 * b)  # the trainer took its first batch: pacing starts from the full depth, as unramped
+    assert paced.ahead == 3 and not paced.ramp(0)
+    # without the ramp (0) or without a bound (sync), the gate is as before
+    assert StalenessGate(b, 3).ahead == 3 and not StalenessGate(b, 3).ramp(0)
+    assert not StalenessGate(b, 0, fill_ramp=0.25).ramp(0)
+    with pytest.raises(ValueError, match="fill_ramp"):
+        StalenessGate(b, 3, fill_ramp=-1)
+
+
+def test_a_waiter_of_a_ramping_gate_is_admitted_when_generations_finish_or_nothing_generates():
+    async def scenario():
+        generating = [0]
+        gate = StalenessGate(batch_size=4, max_staleness=2, fill_ramp=0.5)
+        await gate.wait_admit(4, lambda: generating[0])  # the first batch, as the gate starts one deep
+        generating[0] = 4
+        waiter = asyncio.create_task(gate.wait_admit(4, lambda: generating[0]))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # the first batch is all still generating
+        generating[0] = 1
+        gate.notify()  # three of them finished: under half a batch still generates
+        await asyncio.wait_for(waiter, 1.0)
+        assert (gate.ahead, gate.admitted) == (1, 8)
+        # a side that joins a run in progress (its count above a one-deep limit) generates nothing yet:
+        # with nothing in flight the ramp opens the gate, rather than waiting for a finish that never comes
+        joined = StalenessGate(batch_size=4, max_staleness=2, fill_ramp=0.5)
+        joined.join(8)
+        await asyncio.wait_for(joined.wait_admit(4, lambda: 0), 1.0)
+        assert (joined.ahead, joined.admitted) == (2, 12)
+
+    asyncio.run(scenario())
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 32), eta=st.integers(0, 8), ramp=st.sampled_from([0.0, 0.25, 1.0]),
+       events=st.lists(st.one_of(st.sampled_from(["admit", "version"]), st.integers(0, 64)), max_size=200))
+def test_a_ramping_gate_never_admits_beyond_the_bound(batch, eta, ramp, events):
+    gate = StalenessGate(batch, eta, fill_ramp=ramp)
+    for ev in events:
+        if ev == "version":
+            gate.set_version(gate.version + 1)
+        elif ev == "admit":
+            if gate.can_admit(1):
+                gate.admit(1)
+        else:
+            gate.ramp(ev)
+        assert 0 <= gate.ahead <= eta
+        assert gate.admitted <= gate.limit <= (gate.version + eta + 1) * batch
