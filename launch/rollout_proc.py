@@ -11,6 +11,7 @@ only when none is left.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -56,9 +57,14 @@ def _clients(cfg: Config, addrs: list[str], external: bool) -> list[HttpGenerati
         raise ValueError(f"rollout.server_addrs: {exc}" if external else str(exc)) from None
 
 
-async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: Any) -> ServerPool:
-    """The servers as a pool, once each answers and runs the configured model (one clear error otherwise)."""
+async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: Any,
+                      watch: Callable[[ServerPool], Any] | None = None) -> tuple[ServerPool, Any]:
+    """The servers as a pool, once each answers and runs the configured model (one clear error otherwise).
+    `watch(pool)` starts, before the first wait, what watches the servers meanwhile (the keeper: a server
+    killed while this side waits for it is started again on its port, and the wait finds it); it is
+    returned with the pool, and closed with it on an error."""
     pool = ServerPool(_clients(cfg, addrs, external), health_interval_s=cfg.rollout.health_interval_s)
+    watcher = watch(pool) if watch else None
     try:
         for s in pool.servers:
             try:
@@ -67,30 +73,31 @@ async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: 
                 raise ConnectionError(f"rollout.server_addrs[{s.index}]: {exc}" if external else str(exc)) from None
         await pool.check_model(model_name=cfg.model.name, min_vocab=len(tokenizer))
     except BaseException:
+        if watcher is not None:
+            await watcher.close()
         await pool.close()
         raise
-    return pool
+    return pool, watcher
 
 
 async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], producer_id: str,
                slots: list[GpuSlot]) -> None:
     tokenizer = load_tokenizer(cfg.model)
     task = build_task(cfg.task)
-    pool = await _ready_pool(cfg, addrs, external, tokenizer)
     queue = TrajectoryQueueClient(cfg.transport.addr, producer_id=producer_id,
                                   heartbeat_s=cfg.transport.heartbeat_s,
                                   peer_timeout_s=cfg.transport.peer_timeout_s,
                                   curve_keys_dir=cfg.transport.curve_keys_dir)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
     # our own servers are restarted when their process dies, and caught up to the current weights
-    keeper = ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg, slots)) if procs else None
+    keep = (lambda pool: ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg, slots)).start()) \
+        if procs else None
+    pool, keeper = await _ready_pool(cfg, addrs, external, tokenizer, keep)
     weights = keeper.receiver if keeper else weights
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
     ledger = Ledger(Path(cfg.run_dir) / "ledger_rollout.jsonl")  # trajectory ids produced (`async-rl audit`)
     ledger.record("side", producer=producer_id)
     pool.start()
-    if keeper:
-        keeper.start()
     try:
         await queue.connect(cfg.rollout.connect_timeout_s)
         joined_at = int(queue.trainer_state.get("policy_version", 0))
