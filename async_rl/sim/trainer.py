@@ -19,7 +19,7 @@ from async_rl.sim.clock import Clock, Event
 from async_rl.sim.rollout import SimTrajectory
 from async_rl.trainer.backends import train_staleness
 from async_rl.trainer.trainer import split_by_age
-from async_rl.transport.queue import take_groups
+from async_rl.transport.batching import take_groups
 
 
 @dataclass

@@ -43,6 +43,7 @@ from typing import Any
 import zmq
 
 from async_rl.transport.auth import CurveServer
+from async_rl.transport.batching import take_groups
 from async_rl.transport.bulk import BulkLedger, BulkTicket
 from async_rl.transport.codec import encode
 from async_rl.transport.messages import (
@@ -55,28 +56,6 @@ from async_rl.types import Trajectory, WireFormatError
 from async_rl.utils.prompts import PromptSet, held_positions, prompt_of
 
 logger = logging.getLogger(__name__)
-
-
-def take_groups(buffer: deque, num_trajectories: int) -> list:
-    """The trainer's batch: whole groups from `buffer` until they total >= num_trajectories (the caller
-    checked that many are buffered), the oldest first: by the oldest policy version any of a group's
-    tokens came from, ties in arrival order. A group that finished late (long answers) would otherwise
-    wait behind younger ones that arrived before it, and go over the staleness bound while it waits.
-    The rest stay in arrival order. Pure, so the simulator (`async_rl/sim`) batches by the same rule."""
-    ages = [min(t.oldest_version() for t in group) for group in buffer]
-    order = sorted(range(len(ages)), key=ages.__getitem__)  # stable: arrival order among equals
-    picked, taken = [], 0
-    for i in order:
-        if taken >= num_trajectories:
-            break
-        picked.append(i)
-        taken += len(buffer[i])
-    groups = [buffer[i] for i in picked]
-    chosen = set(picked)
-    rest = [g for i, g in enumerate(buffer) if i not in chosen]
-    buffer.clear()
-    buffer.extend(rest)
-    return groups
 
 
 class TrajectoryQueueServer:

@@ -4,7 +4,7 @@ from collections import deque
 
 import numpy as np
 
-from async_rl.transport.queue import take_groups
+from async_rl.transport.batching import take_groups
 from async_rl.types import Trajectory
 
 
