@@ -65,7 +65,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"engine.kv_cache_mb: {config.kv_cache_mb} MB holds no KV block "
                              f"({per_block} bytes each); raise it")
-        self.runner = ModelRunner(model, num_blocks, config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.decode_slab)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_tokens_per_step)
         self.sampler = Sampler(self.runner.device)
@@ -305,6 +305,8 @@ class LLMEngine:
             "engine/tokens_per_s": sum(n for _, n in self._recent) / secs if secs > 0 else 0.0,
             "engine/preemptions": float(sched.num_preemptions),
             "engine/recomputed_tokens": float(self._recomputed_tokens),
+            **({"engine/slab_rows_copied": float(slab.rows_copied), "engine/slab_pool_steps": float(slab.pool_steps)}
+               if (slab := self.runner.slab) is not None else {}),
             **{f"engine/step_t{t}_b{b}_{field}": value for (t, b), row in self._profile.items()
                for field, value in zip(STEP_FIELDS, row)},
         }

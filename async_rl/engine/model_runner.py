@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from async_rl.engine.decode_slab import DecodeSlab, TierStep
 from async_rl.engine.scheduler import ScheduledChunk
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class StepBatch:
     positions: torch.Tensor  # [N] int64
     slots: torch.Tensor  # [N] int64, flat KV slot of each token (block * block_size + offset)
     logit_rows: torch.Tensor  # [S] rows of the flat batch whose next token is sampled
-    decodes: list[DecodeGroup]
+    decodes: list[DecodeGroup]  # decoding sequences read from the pool (when the slab is off or over budget)
+    slab: list[TierStep] | None  # decoding sequences read from the slab, tier by tier
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]  # (row0, n, blocks, mask)
 
 
@@ -178,7 +180,7 @@ class _Linear:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int):
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, decode_slab: bool = True):
         check_architecture(model)
         self.model = model
         cfg = model.config
@@ -205,6 +207,10 @@ class ModelRunner:
         self.gate_up = [_Linear([m.mlp.gate_proj, m.mlp.up_proj], pack) for m in layers]
         self.down = [_Linear([m.mlp.down_proj], pack) for m in layers]
         self.lm_head = _Linear([model.lm_head], pack)
+        # decoding sequences' KV in rows, at most as large as the pool (async_rl/engine/decode_slab.py)
+        self.slab = DecodeSlab(self.num_layers, self.num_kv_heads, self.head_dim, self.group, self.dtype, self.device,
+                               budget_bytes=self.kv.numel() * self.kv.element_size(),
+                               max_context=cfg.max_position_embeddings) if decode_slab else None
 
     @staticmethod
     def bytes_per_block(model: torch.nn.Module, block_size: int) -> int:
@@ -247,6 +253,10 @@ class ModelRunner:
         # the flat batch holds decodes first, shortest context first, so that each decode group is a run
         # of consecutive rows (a slice, not a gather, per layer); logits come back in the chunks' order
         order = sorted(range(len(chunks)), key=lambda i: (chunks[i].length != 1, chunks[i].start))
+        slab = self._place_in_slab(chunks)
+        if slab is not None:  # decodes tier by tier, each in its rows' order
+            rank = {d[0]: i for i, d in enumerate(d for step in slab for d in step.decodes)}
+            order.sort(key=lambda i: (chunks[i].length != 1, rank[chunks[i].seq] if chunks[i].length == 1 else 0))
         last_row = [0] * len(chunks)
         for i in order:
             c = chunks[i]
@@ -259,7 +269,8 @@ class ModelRunner:
             last_row[i] = row0 + c.length - 1
             ctx = c.start + c.length
             if c.length == 1:
-                decodes.append((row0, table[:-(-ctx // bs)], ctx))
+                if slab is None:
+                    decodes.append((row0, table[:-(-ctx // bs)], ctx))
             elif c.start == 0:
                 prefills.append((row0, c.length, None, None))
             else:
@@ -271,7 +282,17 @@ class ModelRunner:
         return StepBatch(
             input_ids=torch.tensor(ids, device=dev), positions=torch.tensor(positions, device=dev),
             slots=torch.tensor(slots, device=dev), logit_rows=torch.tensor(logit_rows, device=dev, dtype=torch.long),
-            decodes=self._decode_groups(decodes), prefills=prefills)
+            decodes=self._decode_groups(decodes), slab=slab, prefills=prefills)
+
+    def _place_in_slab(self, chunks: list[ScheduledChunk]) -> list[TierStep] | None:
+        """Slab rows for the step's decoding sequences; None where they read the pool."""
+        if self.slab is None:
+            return None
+        for c in chunks:
+            if c.length != 1:
+                self.slab.forget(c.seq)  # its KV in the pool is (re)written: the row is stale
+        decodes = [(c.seq, c.start, c.seq.block_table) for c in chunks if c.length == 1]
+        return self.slab.place(decodes, self.kv, self.block_size) if decodes else None
 
     def _decode_groups(self, decodes: list[tuple[int, list[int], int]]) -> list[DecodeGroup]:
         """Bucket decoding sequences by length so that padding at most doubles a bucket's gathered KV."""
@@ -308,6 +329,8 @@ class ModelRunner:
         for li, layer in enumerate(inner.layers):
             x = x + self._attention(li, layer.self_attn, self._rms_norm(x, layer.input_layernorm), cos, sin, batch)
             x = x + self._mlp(li, layer.mlp, self._rms_norm(x, layer.post_attention_layernorm))
+        if batch.slab is not None:
+            self.slab.advance(batch.slab)
         if len(batch.logit_rows) == 0:
             return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
         h = self._rms_norm(x[batch.logit_rows], inner.norm)
@@ -344,6 +367,12 @@ class ModelRunner:
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, batch.slots, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, batch.slots, v)
         out = q.new_empty(n, heads, d)  # [N, H, D]
+        row0 = 0
+        for step in batch.slab or ():
+            rows = slice(row0, row0 + len(step.decodes))
+            self.slab.write(li, step, k[rows], v[rows])
+            out[rows] = self._slab_attention(li, q[rows], step)
+            row0 = rows.stop
         for group in batch.decodes:
             out[group.rows] = self._decode_attention(k_cache, v_cache, q[group.rows], group)
         for row0, length, blocks, mask in batch.prefills:
@@ -358,6 +387,15 @@ class ModelRunner:
                 attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1)
             out[rows] = o[0].transpose(0, 1)
         return self.o_proj[li](out.view(n, -1))[0]
+
+    def _slab_attention(self, li: int, q: torch.Tensor, step: TierStep) -> torch.Tensor:
+        """q: [B, H, D] of a tier's rows 0..B-1; their keys and values are contiguous views of the tier."""
+        b, kvh, d, width = q.shape[0], self.num_kv_heads, self.head_dim, step.tier.width
+        keys_t = step.tier.kt[li, :b].view(b * kvh, d, width)  # [B * kvH, D, width]
+        values = step.tier.v[li, :b].view(b * kvh, width, d)  # [B * kvH, width, D]
+        scores = torch.baddbmm(step.bias, q.reshape(b * kvh, self.group, d), keys_t, alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, values).view(b, self.num_heads, d)
 
     def _decode_attention(self, k_cache: torch.Tensor, v_cache: torch.Tensor, q: torch.Tensor,
                           group: DecodeGroup) -> torch.Tensor:
