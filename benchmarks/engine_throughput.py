@@ -28,6 +28,7 @@ dtype); engine_throughput.md is rebuilt from it with the command line of each en
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -214,9 +215,13 @@ def measure(args) -> dict:
         if r == 0:
             peak_rss, stats = peak_rss_mb(), engine.stats()
         del engine
+        # the same engine with the decode slab off: decoding sequences gather their KV from the paged pool
+        pool_s, _, engine = run_engine(model, dataclasses.replace(cfg, decode_slab=False), work,
+                                       f"round {r + 1}: engine, KV from the pool")
+        del engine
         hf = {str(b): run_hf(model, work, b, pad, f"round {r + 1}: hf generate b={b}") for b in args.hf_batch_sizes}
-        rounds.append({"engine_s": engine_s, "engine_cpu_s": engine_cpu, "hf": hf})
-        print(f"round {r + 1}: engine {useful / engine_s:.1f} tok/s, " + ", ".join(
+        rounds.append({"engine_s": engine_s, "engine_cpu_s": engine_cpu, "pool_s": pool_s, "hf": hf})
+        print(f"round {r + 1}: engine {useful / engine_s:.1f} tok/s (KV from the pool: {useful / pool_s:.1f}), " + ", ".join(
             f"generate b={b} {useful / w:.1f} tok/s" for b, (w, _) in hf.items()), flush=True)
     update = weight_update_cost(model, cfg, work)
     dtype = next(model.parameters()).dtype
@@ -230,7 +235,13 @@ def measure(args) -> dict:
         "prompt_tokens": sum(len(p) for p, _ in work),
         "engine": {"tokens_per_s": spread(engine_tps), "runs_seconds": [r["engine_s"] for r in rounds],
                    "cpu_seconds": [r["engine_cpu_s"] for r in rounds], "preemptions": stats["engine/preemptions"],
-                   "model_flops": flops, "roof_share": spread([flops / r["engine_s"] / roof for r in rounds])},
+                   "model_flops": flops, "roof_share": spread([flops / r["engine_s"] / roof for r in rounds]),
+                   "slab_rows_copied": stats.get("engine/slab_rows_copied"),
+                   "slab_pool_steps": stats.get("engine/slab_pool_steps")},
+        "engine_pool_kv": {"tokens_per_s": spread([useful / r["pool_s"] for r in rounds]),
+                           "runs_seconds": [r["pool_s"] for r in rounds],
+                           "roof_share": spread([flops / r["pool_s"] / roof for r in rounds]),
+                           "slab_speedup": spread([r["pool_s"] / r["engine_s"] for r in rounds])},
         "hf_generate": {b: {"tokens_per_s": spread([useful / r["hf"][b][0] for r in rounds]),
                             "runs_seconds": [r["hf"][b][0] for r in rounds]} for b in rounds[0]["hf"]},
         "speedup": {b: spread([r["hf"][b][0] / r["engine_s"] for r in rounds]) for b in rounds[0]["hf"]},
@@ -257,16 +268,22 @@ def _cell(x, fmt: str = "{:.1f}", suffix: str = "") -> str:
 
 
 def table(entries: dict) -> str:
-    lines = ["| model | dtype | prompts | useful tok | runs | engine tok/s | share of GEMM roof | HF b=16 tok/s | "
-             "HF b=32 tok/s | speedup vs b=16 | speedup vs b=32 | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | dtype | prompts | useful tok | runs | engine tok/s | share of GEMM roof | "
+             "engine, KV from the pool: tok/s | share of roof | slab speed-up | HF b=16 tok/s | "
+             "HF b=32 tok/s | speedup vs b=16 | speedup vs b=32 | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries.values():
         hf, sp = e["hf_generate"], e["speedup"]
+        pool = e.get("engine_pool_kv")  # entries written before the decode slab have no A/B
         roof = e["engine"].get("roof_share")
         load = e.get("load_average", {})
         load_cell = f"{load.get('before_engine', float('nan')):.1f} -> {load.get('end', float('nan')):.1f}"
         lines.append(f"| {e['model']} | {e['dtype']} | {e['num_prompts']} | {e['useful_tokens']} | "
                      f"{e.get('repeats', 1)} | {_cell(e['engine']['tokens_per_s'])} | "
                      f"{_cell(roof, '{:.1%}') if roof else '-'} | "
+                     f"{_cell(pool['tokens_per_s']) if pool else '-'} | "
+                     f"{_cell(pool['roof_share'], '{:.1%}') if pool else '-'} | "
+                     f"{_cell(pool['slab_speedup'], '{:.2f}', 'x') if pool else '-'} | "
                      f"{_cell(hf['16']['tokens_per_s']) if '16' in hf else '-'} | "
                      f"{_cell(hf['32']['tokens_per_s']) if '32' in hf else '-'} | "
                      f"{_cell(sp['16'], '{:.2f}', 'x') if '16' in sp else '-'} | "
