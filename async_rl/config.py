@@ -52,9 +52,9 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.0
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True  # reuse KV of shared prefixes (GRPO groups, turns)
-    # embedded engine: decoding sequences also keep their KV in rows of a slab, read in place by attention
-    # instead of gathered from the paged pool every layer and step (async_rl/engine/decode_slab.py); the
-    # slab takes at most kv_cache_mb more memory, and a step over that reads the pool
+    # embedded engine on a CPU: decoding sequences also keep their KV in rows of a slab, read in place by
+    # attention instead of gathered from the paged pool every layer and step (async_rl/engine/decode_slab.py);
+    # the slab takes at most kv_cache_mb more memory, and a step over that reads the pool
     decode_slab: bool = True
     num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for

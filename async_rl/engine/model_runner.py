@@ -207,7 +207,9 @@ class ModelRunner:
         self.gate_up = [_Linear([m.mlp.gate_proj, m.mlp.up_proj], pack) for m in layers]
         self.down = [_Linear([m.mlp.down_proj], pack) for m in layers]
         self.lm_head = _Linear([model.lm_head], pack)
-        # decoding sequences' KV in rows, at most as large as the pool (async_rl/engine/decode_slab.py)
+        # decoding sequences' KV in rows, at most as large as the pool (async_rl/engine/decode_slab.py); on a CPU
+        # only: a GPU's pool is sized to the memory left, and its gathers are not what a step waits for
+        decode_slab = decode_slab and self.device.type == "cpu"
         self.slab = DecodeSlab(self.num_layers, self.num_kv_heads, self.head_dim, self.group, self.dtype, self.device,
                                budget_bytes=self.kv.numel() * self.kv.element_size(),
                                max_context=cfg.max_position_embeddings) if decode_slab else None
