@@ -6,9 +6,10 @@ into the module (`update_weights`, `load_state_dict`) are what the next step com
 with. All tokens of a step, prefill chunks and decodes of different sequences alike,
 form one flat [N, hidden] batch for embedding, projections, norms and MLP. Attention
 runs per layer: the step's new K/V are written into the paged pool first, then
-  - decoding sequences (one query each) attend together over their KV gathered
-    block-wise into one padded batch (query heads folded per KV head, so GQA needs
-    no repeat of K/V);
+  - decoding sequences (one query each) attend together, on a CPU over their rows of the
+    decode slab (async_rl/engine/decode_slab.py: contiguous views, no copy), elsewhere
+    over their KV gathered block-wise into one padded batch; query heads are folded per
+    KV head either way, so GQA needs no repeat of K/V;
   - each prefill chunk attends on its own (plain causal attention when nothing is
     cached before it, otherwise over its gathered KV with an offset causal mask).
 The index tensors of the gather and the masks are built once per step, not per layer; the gather
