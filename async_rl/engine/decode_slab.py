@@ -119,9 +119,6 @@ class DecodeSlab:
                 break
             width *= 2
 
-    def bytes(self) -> int:
-        return sum(t.rows * t.bytes_per_row for t in self.tiers)
-
     def forget(self, seq) -> None:
         """`seq`'s KV in the pool is being (re)written by a prefill or recompute chunk: its row is stale."""
         for tier in self.tiers:
