@@ -20,7 +20,7 @@ on the same 128 held-out sums (greedy, 24 tokens) every `eval_every` steps.
   where the CPU runs bf16 natively (as async_rl's `dtype: auto`), all cores. Its evaluation
   pauses training; its time is left out of TRL's wall clock. Under bf16 autocast TRL hardly learns
   on this task (measured, README): compare at each side's best with `--trl autocast=false
-  learning_rate=2e-5 gradient_checkpointing=false --ours trainer.compute_dtype=float32 trainer.lr=2e-5`.
+  learning_rate=2e-5 gradient_checkpointing=false` (the demo config already trains async_rl in fp32 at 2e-5).
 
 Per run: held-out accuracy before, at every evaluation and after, and the training wall clock
 at each. The table gives medians (min-max) over the runs, the seconds per step, and the training
