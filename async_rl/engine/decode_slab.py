@@ -165,7 +165,8 @@ class DecodeSlab:
         positions = torch.tensor([pos for _, pos, _ in decodes], device=dev)
         keep = torch.arange(tier.width, device=dev)[None, :] <= positions[:, None]  # [B, width]
         bias = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
-        bias = bias[:, None, None, :].expand(b, self.kv_heads, self.group, tier.width).reshape(-1, self.group, tier.width)
+        bias = bias[:, None, None, :].expand(b, self.kv_heads, self.group, tier.width)
+        bias = bias.reshape(-1, self.group, tier.width)
         return TierStep(tier, decodes, torch.arange(b, device=dev), positions, bias)
 
     @staticmethod

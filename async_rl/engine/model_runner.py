@@ -255,11 +255,11 @@ class ModelRunner:
         prefills = []
         # the flat batch holds decodes first, shortest context first, so that each decode group is a run
         # of consecutive rows (a slice, not a gather, per layer); logits come back in the chunks' order
-        order = sorted(range(len(chunks)), key=lambda i: (chunks[i].length != 1, chunks[i].start))
+        # (with the slab, decodes go tier by tier, each in its rows' order)
         slab = self._place_in_slab(chunks)
-        if slab is not None:  # decodes tier by tier, each in its rows' order
-            rank = {d[0]: i for i, d in enumerate(d for step in slab for d in step.decodes)}
-            order.sort(key=lambda i: (chunks[i].length != 1, rank[chunks[i].seq] if chunks[i].length == 1 else 0))
+        rank = {} if slab is None else {d[0]: i for i, d in enumerate(d for step in slab for d in step.decodes)}
+        order = sorted(range(len(chunks)),
+                       key=lambda i: (chunks[i].length != 1, rank.get(chunks[i].seq, chunks[i].start)))
         last_row = [0] * len(chunks)
         for i in order:
             c = chunks[i]
