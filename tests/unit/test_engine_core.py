@@ -328,7 +328,7 @@ def test_qwen2_biases_and_rope_theta_are_used(tok):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
 def test_fused_projections_follow_parameters_replaced_or_biased_unevenly(model, tok, dtype, tol):
-    """q/k/v and gate/up run as one GEMM over weights the modules' parameters are views of (in bf16 also
+    """q/k/v and gate/up run as one GEMM over weights the modules' parameters are views of (on a CPU also
     pre-packed for oneDNN): weights loaded in place are what the next step computes with, a state dict
     loaded with assign=True (new memory) is laid out again, and a layer whose projections have a bias on
     some only runs them one by one; each time the log-probs are a fresh HF forward's."""
