@@ -12,7 +12,9 @@ speed-ups taken within a round.
 Share of the GEMM roof: the FLOPs the workload needs at least (2 x the weights of every linear
 layer per token processed, prompt and generated, plus causal attention; `model_flops`) over the
 engine's wall time, against the best matmul this process reaches in the model's dtype on the
-same threads (model-shaped and 512x2048x2048; `benchmarks.common.gemm_roof`).
+same threads (model-shaped and 512x2048x2048; `benchmarks.common.gemm_roof`). The roof is measured
+in every round, right after the engine runs, and each round's share is taken against its own roof:
+a host whose speed drifts by 10-20% within the hour moves both alike.
 
 Also measured: what a weight update adds (`update_weights` + the KV recompute of the
 in-flight sequences) next to one prefill of the same in-flight tokens, and the peak RSS
@@ -208,26 +210,30 @@ def measure(args) -> dict:
     run_engine(model, cfg, work[:8], "warm-up")  # the first steps pay one-off allocations
     load_before = os.getloadavg()[0]
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    rounds: list[dict] = []  # each round times the engine, then generate at every batch size
+    rounds: list[dict] = []  # each round times the engine, the roof, then generate at every batch size
+    hidden, inter = model.config.hidden_size, getattr(model.config, "intermediate_size", 4 * model.config.hidden_size)
+    dtype = next(model.parameters()).dtype
+    roof_shapes = [(512, hidden, inter), (512, inter, hidden), (512, 2048, 2048)]
     peak_rss, stats = 0.0, {}
     for r in range(args.repeats):
         engine_s, engine_cpu, engine = run_engine(model, cfg, work, f"round {r + 1}: engine")
         if r == 0:
             peak_rss, stats = peak_rss_mb(), engine.stats()
         del engine
+        roof, shape = gemm_roof(roof_shapes, dtype)  # this round's roof, beside its engine run
         # the same engine with the decode slab off: decoding sequences gather their KV from the paged pool
         pool_s, _, engine = run_engine(model, dataclasses.replace(cfg, decode_slab=False), work,
                                        f"round {r + 1}: engine, KV from the pool")
         del engine
         hf = {str(b): run_hf(model, work, b, pad, f"round {r + 1}: hf generate b={b}") for b in args.hf_batch_sizes}
-        rounds.append({"engine_s": engine_s, "engine_cpu_s": engine_cpu, "pool_s": pool_s, "hf": hf})
+        rounds.append({"engine_s": engine_s, "engine_cpu_s": engine_cpu, "pool_s": pool_s, "hf": hf,
+                       "roof": roof, "roof_shape": shape})
         print(f"round {r + 1}: engine {useful / engine_s:.1f} tok/s (KV from the pool: {useful / pool_s:.1f}), " + ", ".join(
             f"generate b={b} {useful / w:.1f} tok/s" for b, (w, _) in hf.items()), flush=True)
     update = weight_update_cost(model, cfg, work)
-    dtype = next(model.parameters()).dtype
-    hidden, inter = model.config.hidden_size, getattr(model.config, "intermediate_size", 4 * model.config.hidden_size)
-    roof, shape = gemm_roof([(512, hidden, inter), (512, inter, hidden), (512, 2048, 2048)], dtype)
     flops = model_flops(model, work)
+    roof = statistics.median(r["roof"] for r in rounds)
+    shape = max(rounds, key=lambda r: r["roof"])["roof_shape"]
     engine_tps = [useful / r["engine_s"] for r in rounds]
     return {
         "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": args.repeats,
@@ -235,18 +241,19 @@ def measure(args) -> dict:
         "prompt_tokens": sum(len(p) for p, _ in work),
         "engine": {"tokens_per_s": spread(engine_tps), "runs_seconds": [r["engine_s"] for r in rounds],
                    "cpu_seconds": [r["engine_cpu_s"] for r in rounds], "preemptions": stats["engine/preemptions"],
-                   "model_flops": flops, "roof_share": spread([flops / r["engine_s"] / roof for r in rounds]),
+                   "model_flops": flops, "roof_share": spread([flops / r["engine_s"] / r["roof"] for r in rounds]),
                    "slab_rows_copied": stats.get("engine/slab_rows_copied"),
                    "slab_pool_steps": stats.get("engine/slab_pool_steps")},
         "engine_pool_kv": {"tokens_per_s": spread([useful / r["pool_s"] for r in rounds]),
                            "runs_seconds": [r["pool_s"] for r in rounds],
-                           "roof_share": spread([flops / r["pool_s"] / roof for r in rounds]),
+                           "roof_share": spread([flops / r["pool_s"] / r["roof"] for r in rounds]),
                            "slab_speedup": spread([r["pool_s"] / r["engine_s"] for r in rounds])},
         "hf_generate": {b: {"tokens_per_s": spread([useful / r["hf"][b][0] for r in rounds]),
                             "runs_seconds": [r["hf"][b][0] for r in rounds]} for b in rounds[0]["hf"]},
         "speedup": {b: spread([r["hf"][b][0] / r["engine_s"] for r in rounds]) for b in rounds[0]["hf"]},
         "speedup_cpu_time": {b: spread([r["hf"][b][1] / r["engine_cpu_s"] for r in rounds]) for b in rounds[0]["hf"]},
-        "gemm_roof": {"flops": roof, "shape": shape, "dtype": str(dtype).replace("torch.", ""),
+        "gemm_roof": {"flops": roof, "flops_per_round": [r["roof"] for r in rounds], "shape": shape,
+                      "dtype": str(dtype).replace("torch.", ""),
                       "useful_tokens_per_s": roof * useful / flops},
         "load_average": {"before_engine": load_before, "end": os.getloadavg()[0]},
         "weight_update": update,
@@ -293,6 +300,9 @@ def table(entries: dict) -> str:
         lines += ["", "GEMM roof (the best matmul this process reaches in the model's dtype, same threads, model-"
                   "shaped and 512x2048x2048): " + "; ".join(
                       f"{e['model']} {e['gemm_roof']['dtype']}: {e['gemm_roof']['flops'] / 1e9:.0f} GFLOP/s "
+                      + (f"(median of the rounds' roofs, {min(e['gemm_roof']['flops_per_round']) / 1e9:.0f}-"
+                         f"{max(e['gemm_roof']['flops_per_round']) / 1e9:.0f}) " if "flops_per_round" in e["gemm_roof"]
+                         else "(measured once, after the rounds) ") +
                       f"({e['gemm_roof']['shape']}), i.e. {e['gemm_roof']['useful_tokens_per_s']:.0f} useful tokens/s "
                       "on this workload if every FLOP ran at it" for e in roofs)]
     lines += ["", "| model | dtype | in-flight seqs / tokens | update_weights s (first) | KV recompute s | "

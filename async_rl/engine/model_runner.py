@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 PACKED_MIN_ROWS = 4  # fp32 GEMMs of fewer rows run F.linear (see the module docstring)
+PACKED_MIN_WEIGHT = 1 << 18  # fp32 weights of fewer elements (1 MB, cache-sized) are not packed: oneDNN's
+# per-call cost made a tiny model's 64x64 GEMM 4x slower than F.linear
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -175,7 +177,7 @@ class _Linear:
                 self.bias = None if biases[0] is None else _back_to_back(biases)
             else:
                 self.weight, self.bias = self.linears[0].weight, biases[0]
-            if self.pack:
+            if self.pack and (self.weight.dtype != torch.float32 or self.weight.numel() >= PACKED_MIN_WEIGHT):
                 try:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
                 except RuntimeError as exc:  # a CPU oneDNN has no bf16 kernel for: F.linear as before

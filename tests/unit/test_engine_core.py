@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from async_rl.config import EngineConfig, ModelConfig
+from async_rl.engine import model_runner
 from async_rl.engine.llm_engine import EngineInputError, LLMEngine
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.types import SamplingParams
@@ -327,11 +328,13 @@ def test_qwen2_biases_and_rope_theta_are_used(tok):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
-def test_fused_projections_follow_parameters_replaced_or_biased_unevenly(model, tok, dtype, tol):
+def test_fused_projections_follow_parameters_replaced_or_biased_unevenly(model, tok, dtype, tol, monkeypatch):
     """q/k/v and gate/up run as one GEMM over weights the modules' parameters are views of (on a CPU also
-    pre-packed for oneDNN): weights loaded in place are what the next step computes with, a state dict
+    pre-packed for oneDNN; in fp32 only weights of 1 MB and more, so here the tiny model's are packed by
+    lowering that floor): weights loaded in place are what the next step computes with, a state dict
     loaded with assign=True (new memory) is laid out again, and a layer whose projections have a bias on
     some only runs them one by one; each time the log-probs are a fresh HF forward's."""
+    monkeypatch.setattr(model_runner, "PACKED_MIN_WEIGHT", 0)
     mine = copy.deepcopy(model).to(dtype)
     engine = make_engine(mine, tok)
     reqs = lambda tag: {f"{tag}{i}": (p, SamplingParams(max_new_tokens=6, temperature=1.0, ignore_eos=True))
