@@ -23,7 +23,8 @@ kernel `F.linear` runs anyway, without laying the weight out again per call. In 
 MKL, whose GEMMs of 4-32 rows against a weight read from memory were 2-3x slower than oneDNN's packed
 ones on a 2-core Xeon (Cascade Lake: 4.0 against 10.8 GB/s of weights at 16 rows), while at 1-3 rows
 MKL's were faster (14.9 against 11.2 GB/s at one row): fp32 steps of fewer than `PACKED_MIN_ROWS`
-rows run `F.linear`.
+rows run `F.linear`, and so do fp32 weights under `PACKED_MIN_WEIGHT` (they stay in cache, and there
+oneDNN's per-call cost made a 64x64 GEMM 4x slower).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 PACKED_MIN_ROWS = 4  # fp32 GEMMs of fewer rows run F.linear (see the module docstring)
-PACKED_MIN_WEIGHT = 1 << 18  # fp32 weights of fewer elements (1 MB, cache-sized) are not packed: oneDNN's
-# per-call cost made a tiny model's 64x64 GEMM 4x slower than F.linear
+PACKED_MIN_WEIGHT = 1 << 18  # fp32 weights of fewer elements (1 MB) are not packed (see the module docstring)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
