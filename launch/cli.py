@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from async_rl.config import Config, load_config, save_config
+from async_rl.utils.exits import exit_now
 from async_rl.utils.logs import setup_logging
 
 logger = logging.getLogger("async_rl")
@@ -187,5 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `async-rl` command: `main`, then out without the interpreter's teardown (async_rl/utils/exits.py)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

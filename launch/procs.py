@@ -18,7 +18,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.config import Config
+from async_rl.utils.exits import exit_now
 from async_rl.utils.logs import one_line, setup_logging
 from launch.common import error_file
 
@@ -96,7 +96,7 @@ def child_entry(name: str, target: str, cfg: Config, kwargs: dict, env: dict[str
     try:
         resolve_target(target)(cfg, **kwargs)
     except KeyboardInterrupt:
-        sys.exit(130)
+        exit_now(130)
     except BaseException as exc:  # report every failure as one line; the traceback goes to the log file
         root = logging.getLogger()
         for h in list(root.handlers):
@@ -104,7 +104,8 @@ def child_entry(name: str, target: str, cfg: Config, kwargs: dict, env: dict[str
                 root.removeHandler(h)
         logging.getLogger(name).error("fatal: %s\n%s", one_line(exc), traceback.format_exc())
         err.write_text(one_line(exc))
-        sys.exit(2)
+        exit_now(2)
+    exit_now(0)  # no interpreter teardown (~1 s with torch loaded): whoever waits for this process goes on
 
 
 def spawn(name: str, target: str, cfg: Config, *, env: dict[str, str] | None = None, **kwargs) -> mp.Process:

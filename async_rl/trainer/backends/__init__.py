@@ -33,7 +33,7 @@ import torch
 from async_rl.config import Config
 from async_rl.types import Trajectory
 from async_rl.utils.weights import WeightSource
-from async_rl.utils.hardware import DtypeChoice, resolve_dtype
+from async_rl.utils.hardware import DtypeChoice, resolve_device, resolve_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +88,23 @@ def trainer_config(cfg: Config) -> TrainerConfig:
     return dataclasses.replace(cfg.trainer, loss_agg_tokens=cfg.trainer.loss_agg_tokens or cfg.rollout.max_new_tokens)
 
 
-def _single() -> BackendSpec:
+def check_single(cfg: Config) -> None:
+    if cfg.trainer.world_size != 1:
+        raise ValueError(f"trainer.world_size: the single backend runs one process, got {cfg.trainer.world_size}; "
+                         "use trainer.backend=fsdp or megatron to train on several")
+    resolve_device(cfg.trainer.device, "trainer.device")
+
+
+def _build_single(cfg: Config, rank: RankInfo) -> TrainerBackend:
     from async_rl.trainer.backends import single
 
-    return BackendSpec(check=single.check, build=single.build, distributed=False)
+    return single.build(cfg, rank)
+
+
+def _single() -> BackendSpec:
+    # the launcher checks the config and picks the dtype with it: neither imports the trainer (tensordict
+    # brings in torch._dynamo, ~2.5 s before any process could start)
+    return BackendSpec(check=check_single, build=_build_single, distributed=False)
 
 
 def _fsdp() -> BackendSpec:

@@ -7,7 +7,7 @@ from typing import Any
 
 from async_rl.config import Config
 from async_rl.models import load_model, load_tokenizer
-from async_rl.trainer.backends import RankInfo, train_staleness, trainer_config
+from async_rl.trainer.backends import RankInfo, check_single, train_staleness, trainer_config
 from async_rl.trainer.checkpoint import hf_exporter, load_checkpoint, save_checkpoint
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.utils.hardware import resolve_device
@@ -31,15 +31,8 @@ class SingleTrainer(PPOTrainer):
         """Nothing to release: one process, no process group."""
 
 
-def check(cfg: Config) -> None:
-    if cfg.trainer.world_size != 1:
-        raise ValueError(f"trainer.world_size: the single backend runs one process, got {cfg.trainer.world_size}; "
-                         "use trainer.backend=fsdp or megatron to train on several")
-    resolve_device(cfg.trainer.device, "trainer.device")
-
-
 def build(cfg: Config, rank: RankInfo) -> SingleTrainer:
-    check(cfg)
+    check_single(cfg)
     device = resolve_device(cfg.trainer.device, "trainer.device")
     # master weights stay fp32 whatever the engine runs in; trainer.compute_dtype picks autocast
     model = load_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.seed, device=device)
