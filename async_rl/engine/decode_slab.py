@@ -19,7 +19,8 @@ A row is copied from the pool when its sequence starts decoding in a tier (or it
 prefill or recompute chunk of that sequence rewrote its KV, or the row's length is not the
 decode's position), then grows by the one token each step writes. Rows of sequences that do not
 decode in a step are released, and the last rows move into the holes, so the rows stay 0..B-1.
-All tiers together hold at most `budget_bytes`; a step that would need more reads the pool.
+All tiers together hold at most `budget_bytes`; the decoding sequences of a step that do not fit
+read the pool (the ones already in rows stay there, then the narrowest rows are filled).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class DecodeSlab:
         self.kv_heads, self.group, self.dtype, self.device = kv_heads, group, dtype, device
         self.budget_bytes = budget_bytes
         self.rows_copied = 0  # rows filled from the pool (a sequence starting to decode, or entering a wider tier)
-        self.pool_steps = 0  # steps whose decodes read the pool: the slab would have exceeded its budget
+        self.pool_steps = 0  # steps in which some decodes read the pool: all would have exceeded the budget
         self.tiers: list[Tier] = []
         width = base
         while True:
@@ -129,7 +130,10 @@ class DecodeSlab:
     def place(self, decodes: list[tuple[object, int, list[int]]], pool: torch.Tensor,
               block_size: int) -> list[TierStep] | None:
         """Rows for the step's decoding sequences (seq, position of the new token, block table), each in the
-        narrowest tier that holds its context; None (holding nothing) when that would exceed the budget."""
+        narrowest tier that holds its context; None (holding nothing) for a context past every tier. What
+        would exceed the budget is left out of the steps returned: those sequences read the pool this step
+        (`pool_steps` counts such steps). Rows already holding their sequence's KV are kept first, then
+        the narrowest rows are taken, so the slab holds as many sequences as fit and keeps holding them."""
         by_tier: list[list[tuple[object, int, list[int]]]] = [[] for _ in self.tiers]
         for d in decodes:
             t = next((i for i, tier in enumerate(self.tiers) if d[1] < tier.width), None)
@@ -139,9 +143,8 @@ class DecodeSlab:
         # a tier short of rows grows to a multiple of 8; over the budget, every tier is cut to what it needs now
         target = [-(-len(ds) // 8) * 8 if len(ds) > t.rows else t.rows for t, ds in zip(self.tiers, by_tier)]
         if sum(r * t.bytes_per_row for r, t in zip(target, self.tiers)) > self.budget_bytes:
+            by_tier = self._what_fits(by_tier)
             target = [len(ds) for ds in by_tier]
-            if sum(r * t.bytes_per_row for r, t in zip(target, self.tiers)) > self.budget_bytes:
-                return self._give_up()
         steps = []
         for tier, rows, ds in zip(self.tiers, target, by_tier):
             if rows > tier.rows:
@@ -152,8 +155,23 @@ class DecodeSlab:
             if ds:
                 ds.sort(key=lambda d: tier.row_of[d[0]])
                 steps.append(self._step(tier, ds))
+        if sum(len(ds) for ds in by_tier) < len(decodes):
+            self.pool_steps += 1
         return steps
 
+    def _what_fits(self, by_tier: list[list[tuple[object, int, list[int]]]]) -> list[list[tuple[object, int, list[int]]]]:
+        """The decodes of each tier that fit the budget together: first those whose row already holds their
+        KV (no copy, and the slab keeps what it holds from step to step), then the narrowest."""
+        held = [[d for d in ds if d[0] in tier.row_of and tier.length[tier.row_of[d[0]]] == d[1]]
+                for tier, ds in zip(self.tiers, by_tier)]
+        fresh = [[d for d in ds if d[0] not in {x[0] for x in h}] for ds, h in zip(by_tier, held)]
+        room, out = self.budget_bytes, [[] for _ in self.tiers]
+        for group in (held, fresh):
+            for i, tier in enumerate(self.tiers):
+                n = min(len(group[i]), room // tier.bytes_per_row)
+                out[i] += group[i][:n]
+                room -= n * tier.bytes_per_row
+        return out
     def _give_up(self) -> None:
         self.pool_steps += 1
         for tier in self.tiers:

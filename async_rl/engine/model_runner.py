@@ -268,8 +268,9 @@ class ModelRunner:
         # (with the slab, decodes go tier by tier, each in its rows' order)
         slab = self._place_in_slab(chunks)
         rank = {} if slab is None else {d[0]: i for i, d in enumerate(d for step in slab for d in step.decodes)}
-        order = sorted(range(len(chunks)),
-                       key=lambda i: (chunks[i].length != 1, rank.get(chunks[i].seq, chunks[i].start)))
+        order = sorted(range(len(chunks)),  # slab rows first, then decodes that read the pool, then prefills
+                       key=lambda i: (chunks[i].length != 1, chunks[i].seq not in rank,
+                                      rank.get(chunks[i].seq, chunks[i].start)))
         last_row = [0] * len(chunks)
         for i in order:
             c = chunks[i]
@@ -282,7 +283,7 @@ class ModelRunner:
             last_row[i] = row0 + c.length - 1
             ctx = c.start + c.length
             if c.length == 1:
-                if slab is None:
+                if c.seq not in rank:  # no slab, or no room in it: this decode reads the pool
                     decodes.append((row0, table[:-(-ctx // bs)], ctx))
             elif c.start == 0:
                 prefills.append((row0, c.length, None, None))
@@ -298,7 +299,8 @@ class ModelRunner:
             decodes=self._decode_groups(decodes), slab=slab, prefills=prefills)
 
     def _place_in_slab(self, chunks: list[ScheduledChunk]) -> list[TierStep] | None:
-        """Slab rows for the step's decoding sequences; None where they read the pool."""
+        """Slab rows for the step's decoding sequences; None where they all read the pool (the slab is off),
+        and a decode in none of the rows returned reads the pool too (no room for it in the slab)."""
         if self.slab is None:
             return None
         for c in chunks:

@@ -111,10 +111,35 @@ def test_rows_stay_packed_and_hold_their_sequences_kv():
     check(steps)
 
 
-def test_a_slab_over_its_budget_holds_nothing():
+def test_a_slab_over_its_budget_holds_what_fits_and_keeps_holding_it():
+    """Room for 3 rows of the 8-wide tier and 4 decoding sequences: 3 get rows, the 4th reads the pool
+    (the step is counted); at the next step the same 3 keep their rows (no copy), and a context past
+    every tier gives up the whole step."""
     slab = DecodeSlab(1, 1, 4, group=1, dtype=torch.float32, device=torch.device("cpu"),
                       budget_bytes=2 * 8 * 4 * 4 * 3, max_context=16, base=8)  # 3 rows of the 8-wide tier
     pool = torch.randn(1, 2, 8, 4, 1, 4)
-    assert slab.place([(i, 3, [i]) for i in range(3)], pool, 4) is not None
-    assert slab.place([(i, 3, [i]) for i in range(4)], pool, 4) is None
-    assert slab.pool_steps == 1 and all(not t.row_of for t in slab.tiers)
+    steps = slab.place([(i, 3, [i]) for i in range(3)], pool, 4)
+    assert [d[0] for s in steps for d in s.decodes] == [0, 1, 2] and slab.pool_steps == 0
+    slab.advance(steps)
+    steps = slab.place([(i, 4, [i]) for i in (3, 0, 1, 2)], pool, 4)  # 3 is new: no room for it
+    assert sorted(d[0] for s in steps for d in s.decodes) == [0, 1, 2]
+    assert slab.pool_steps == 1 and slab.rows_copied == 3  # the rows held were kept, none copied again
+    assert sum(t.rows * t.bytes_per_row for t in slab.tiers) <= slab.budget_bytes
+    assert slab.place([(0, 16, [0, 1, 2, 3, 4])], pool, 4) is None  # past the widest tier
+    assert all(not t.row_of for t in slab.tiers)
+
+
+def test_decodes_left_out_of_the_slab_read_the_pool_in_the_same_step(model, tok):
+    """A budget for a few rows only: every step mixes slab rows and decodes read from the pool, and
+    the tokens and log-probs are those of the engine with the slab off."""
+    reqs = {f"r{i}": (p, SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, seed=i))
+            for i, p in enumerate(prompts(tok, 12))}
+    eng = engine(model, tok)
+    eng.runner.slab.budget_bytes = 4 * eng.runner.slab.tiers[0].bytes_per_row  # 4 of the 12 sequences
+    outs = run(eng, reqs)
+    stats = eng.stats()
+    assert stats["engine/slab_pool_steps"] > 10 and stats["engine/slab_rows_copied"] > 0
+    pool = run(engine(model, tok, decode_slab=False), reqs)
+    for rid in reqs:
+        assert outs[rid].output_ids == pool[rid].output_ids, rid
+        assert max(abs(a - b) for a, b in zip(outs[rid].output_logprobs, pool[rid].output_logprobs)) <= 1e-4, rid
