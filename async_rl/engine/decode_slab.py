@@ -111,7 +111,7 @@ class DecodeSlab:
         self.kv_heads, self.group, self.dtype, self.device = kv_heads, group, dtype, device
         self.budget_bytes = budget_bytes
         self.rows_copied = 0  # rows filled from the pool (a sequence starting to decode, or entering a wider tier)
-        self.pool_steps = 0  # steps in which some decodes read the pool: all would have exceeded the budget
+        self.pool_steps = 0  # steps in which some decodes read the pool: all of them did not fit the budget
         self.tiers: list[Tier] = []
         width = base
         while True:
@@ -140,7 +140,7 @@ class DecodeSlab:
             if t is None:  # longer than the model's context: never scheduled, but read the pool then
                 return self._give_up()
             by_tier[t].append(d)
-        # a tier short of rows grows to a multiple of 8; over the budget, every tier is cut to what it needs now
+        # a tier short of rows grows to a multiple of 8; over the budget, each tier takes what fits (`_what_fits`)
         target = [-(-len(ds) // 8) * 8 if len(ds) > t.rows else t.rows for t, ds in zip(self.tiers, by_tier)]
         if sum(r * t.bytes_per_row for r, t in zip(target, self.tiers)) > self.budget_bytes:
             by_tier = self._what_fits(by_tier)
@@ -172,6 +172,7 @@ class DecodeSlab:
                 out[i] += group[i][:n]
                 room -= n * tier.bytes_per_row
         return out
+
     def _give_up(self) -> None:
         self.pool_steps += 1
         for tier in self.tiers:
