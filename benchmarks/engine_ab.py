@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import write_results  # noqa: E402
+from benchmarks.engine_throughput import spread  # noqa: E402
 from async_rl.config import EngineConfig, ModelConfig  # noqa: E402
 from async_rl.engine import llm_engine  # noqa: E402
 from async_rl.models import load_model, load_tokenizer  # noqa: E402
@@ -70,7 +71,7 @@ def decoding_engine(model, cfg: EngineConfig, runner_cls: type, n: int, context:
     vocab = model.get_input_embeddings().weight.shape[0]
     for i in range(n):
         engine.add_request(f"r{i}", torch.randint(3, vocab, (context,), generator=g).tolist(),
-                           SamplingParams(max_new_tokens=model.config.max_position_embeddings - context,
+                           SamplingParams(max_new_tokens=min(4096, model.config.max_position_embeddings - context),
                                           temperature=1.0, ignore_eos=True, seed=i))
     while not (len(engine.scheduler.running) == n and all(len(s.token_ids) > context for s in engine.scheduler.running)):
         engine.step()
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--steps-per-round", type=int, default=4)
     ap.add_argument("--name", default="engine_ab")
     args = ap.parse_args()
-    torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     tmp = tempfile.TemporaryDirectory()
     base_cls = base_runner(args.base, Path(tmp.name))  # a wrong commit fails here, before the model loads
     mc = ModelConfig(name=args.model, dtype=args.dtype, max_position=2048)
@@ -111,18 +112,19 @@ def main() -> None:
                 engines[k].step()
             ms[k].append((time.perf_counter() - t0) / args.steps_per_round * 1000)
     tmp.cleanup()
-    ratios = [b / t for b, t in zip(ms["base"], ms["this"])]
+    per_round = [b / t for b, t in zip(ms["base"], ms["this"])]
+    ratios = spread(per_round)
     stats = {k: {s: v for s, v in e.stats().items() if "slab" in s} for k, e in engines.items()}
-    row = (f"| {args.sequences} | {args.context} | {args.kv_cache_mb:g} | {statistics.median(ms['this']):.0f} | "
-           f"{statistics.median(ms['base']):.0f} | **{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-"
-           f"{max(ratios):.2f}) | {stats['this'].get('engine/slab_pool_steps', 0):g} / "
+    row = (f"| {args.sequences} | {args.context} | {args.kv_cache_mb:g} | {spread(ms['this'])['median']:.0f} | "
+           f"{spread(ms['base'])['median']:.0f} | **{ratios['median']:.2f}x** ({ratios['min']:.2f}-"
+           f"{ratios['max']:.2f}) | {stats['this'].get('engine/slab_pool_steps', 0):g} / "
            f"{stats['base'].get('engine/slab_pool_steps', 0):g} |")
     table = ("| sequences | context | KV MB | this checkout ms/step | base ms/step | base / this, per round "
              "(median, min-max) | slab pool steps this / base |\n|---|---|---|---|---|---|---|\n" + row)
     print(table)
     write_results(args.name, f"{args.model} {args.dtype}, base {args.base}, {args.rounds} rounds of "
                   f"{args.steps_per_round} decode steps each engine, interleaved.\n\n{table}",
-                  {"args": vars(args), "ms_this": ms["this"], "ms_base": ms["base"], "ratios": ratios, "stats": stats})
+                  {"args": vars(args), "ms_this": ms["this"], "ms_base": ms["base"], "ratios": per_round, "ratio": ratios, "stats": stats})
 
 
 if __name__ == "__main__":

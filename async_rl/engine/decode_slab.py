@@ -164,7 +164,7 @@ class DecodeSlab:
         KV (no copy, and the slab keeps what it holds from step to step), then the narrowest."""
         held = [[d for d in ds if d[0] in tier.row_of and tier.length[tier.row_of[d[0]]] == d[1]]
                 for tier, ds in zip(self.tiers, by_tier)]
-        fresh = [[d for d in ds if d[0] not in {x[0] for x in h}] for ds, h in zip(by_tier, held)]
+        fresh = [[d for d in ds if d[0] not in kept] for ds, kept in zip(by_tier, ({d[0] for d in h} for h in held))]
         room, out = self.budget_bytes, [[] for _ in self.tiers]
         for group in (held, fresh):
             for i, tier in enumerate(self.tiers):

@@ -33,7 +33,7 @@ held-out sums are answered. The run is 48 steps because the fuzz must end inside
 server sets TCP_NODELAY, a step of this run takes under a second, and 24 steps ended before the
 17 s of fuzz did. With 48 steps the fuzz ends near step 18 (34 s for the whole test, AVX-512).
 Half as much fuzz (50,000 frames, 5,000 requests; each kind of input as before) cut the test from
-68 s to 44 s on a 2-core Xeon (Cascade Lake): the full fuzz had lasted 24 of the 48 steps, this one 11.
+68 s to 44 s on a 2-core Xeon (Cascade Lake, AVX-512 without bf16; one run each): the full fuzz had lasted 24 of the 48 steps, this one 11.
 """
 
 from __future__ import annotations
