@@ -127,6 +127,8 @@ def _dispatch(command: str, cfg: Config) -> int:
     from launch import procs
     from launch.common import check_agents, pin_dtypes
 
+    if command != "run" or cfg.launcher == "local":  # this process starts the children: warm their fork server
+        procs.prestart()
     if command in ("run", "rollout"):  # a local run's rollout side runs here; a Ray run's, on some node
         check_agents(cfg, prepare=command == "rollout" or cfg.launcher == "local")
     cfg, lines = pin_dtypes(cfg, command)

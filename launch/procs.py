@@ -4,19 +4,26 @@ Every child runs `child_entry`, which sets up logging into the run directory and
 any exception into a single `error: ...` line (the traceback goes to the child's log
 file) plus an `<name>.error` file the parent reads to report why a child died.
 
-A target is named "module:function" and imported in the child: a parent that only starts
-and watches processes (the launcher, a Ray host) never imports what they run, so it is
-up in a fraction of a second and its children start at once.
+A target is named "module:function" and imported in the child. Children are forked from a
+fork server (multiprocessing's "forkserver") that has imported torch, transformers and the
+children's modules once (`PRELOAD`): a child starts in milliseconds instead of paying those
+imports (~5 s each, and three processes at once on a small machine). `prestart()` starts that
+server early so its imports overlap the parent's own start-up, and a child that starts children
+of its own (the rollout side its servers) asks the same server (`_adopt_fork_server`). Nothing
+in `PRELOAD` may touch CUDA at import: a child forked from a process that did cannot use it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import os
+import select
 import signal
 import threading
 import time
@@ -28,10 +35,35 @@ from typing import Any
 from async_rl.config import Config
 from async_rl.utils.exits import exit_now
 from async_rl.utils.logs import one_line, setup_logging
+from async_rl.utils.pids import pid_alive
 from launch.common import error_file
 
 logger = logging.getLogger(__name__)
-_CTX = mp.get_context("spawn")
+_CTX = mp.get_context("forkserver")
+PRELOAD = ["launch.trainer_proc", "launch.rollout_proc", "launch.serve", "launch.trainer_ranks"]
+_CTX.set_forkserver_preload(PRELOAD)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def prestart() -> None:
+    """Start the fork server now: it imports `PRELOAD` in the background while this process goes on."""
+    mp_forkserver.ensure_running()
+
+
+def _adopt_fork_server() -> None:
+    """In a child forked by the fork server: die with that server, and start children of its own from
+    it. The server is the child's OS parent, which reports the child's exit to whoever started it: a
+    child outliving its server would look dead (exit code 255) to its starter while still running.
+    It inherited the server's address and a handle on its "alive" pipe; only the server's pid, which
+    `ensure_running` checks and only the server's own parent can wait for, is missing."""
+    server = mp_forkserver._forkserver
+    if not (getattr(server, "_forkserver_address", None) and getattr(server, "_forkserver_alive_fd", None) is not None):
+        return  # not forked by a fork server
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    server.ensure_running = lambda: None
 
 
 def _interrupt(signum, frame) -> None:
@@ -68,9 +100,18 @@ def run_async(main: Coroutine[Any, Any, None]) -> None:
 
 
 def _watch_parent(parent: int) -> None:
-    """A child never outlives its parent: if the parent dies, stop gracefully, then for good."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
+    """A child never outlives the process that started it (not its OS parent, the fork server): when
+    that process ends, stop gracefully, then for good."""
+    try:
+        fd = os.pidfd_open(parent)  # readable once the process has ended, zombie or reaped
+    except ProcessLookupError:
+        fd = None  # already gone
+    except (AttributeError, OSError):  # no pidfd here (not Linux, or an old kernel): poll
+        while pid_alive(parent):
+            time.sleep(1.0)
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(15.0)
     os._exit(1)
@@ -82,11 +123,15 @@ def resolve_target(target: str) -> Callable[..., None]:
     return getattr(importlib.import_module(module), attr)
 
 
-def child_entry(name: str, target: str, cfg: Config, kwargs: dict, env: dict[str, str] | None = None) -> None:
-    """Body of every child process. `env` (its CUDA_VISIBLE_DEVICES from async_rl.placement) is set
-    before anything runs, so CUDA, initialised later, only ever sees the GPUs placed here."""
-    os.environ.update(env or {})
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), name="watch-parent", daemon=True).start()
+def child_entry(name: str, target: str, cfg: Config, kwargs: dict, env: dict[str, str], parent: int) -> None:
+    """Body of every child process. `env` is the environment of the process that started it (`parent`),
+    as a spawned child would inherit it, with its own additions (its CUDA_VISIBLE_DEVICES from
+    async_rl.placement): set before anything runs, so CUDA, initialised later, only ever sees the
+    GPUs placed here."""
+    os.environ.clear()
+    os.environ.update(env)
+    _adopt_fork_server()
+    threading.Thread(target=_watch_parent, args=(parent,), name="watch-parent", daemon=True).start()
     setup_logging(cfg.log.level, cfg.run_dir, name, console_level="WARNING")
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us in order
@@ -113,7 +158,8 @@ def spawn(name: str, target: str, cfg: Config, *, env: dict[str, str] | None = N
     with `env` added to its environment."""
     if not isinstance(target, str) or target.count(":") != 1:
         raise ValueError(f"spawn target: expected 'module:function', got {target!r}")
-    proc = _CTX.Process(target=child_entry, args=(name, target, cfg, kwargs, env), name=name, daemon=False)
+    args = (name, target, cfg, kwargs, {**os.environ, **(env or {})}, os.getpid())
+    proc = _CTX.Process(target=child_entry, args=args, name=name, daemon=False)
     proc.start()
     return proc
 

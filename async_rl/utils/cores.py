@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from async_rl.utils.pids import pid_alive
+
 logger = logging.getLogger(__name__)
 
 SLOTS = 64  # processes that can share one machine's cores
@@ -83,7 +85,7 @@ class CoreShare:
                 for slot in range(SLOTS):
                     base = slot * _FIELDS
                     pid = struct.unpack("<I", mm[base + 2:base + 6])[0]
-                    if mm[base] == _ABSENT or not _alive(pid):
+                    if mm[base] == _ABSENT or not pid_alive(pid):
                         return cls(path, slot, share, total)
             finally:
                 mm.close()
@@ -99,7 +101,7 @@ class CoreShare:
         now = time.monotonic()
         if now - self._checked > 1.0:  # a process killed while busy must not hold its cores forever
             self._checked = now
-            self._dead = {s for s in busy if not _alive(struct.unpack("<I", raw[s * _FIELDS + 2:s * _FIELDS + 6])[0])}
+            self._dead = {s for s in busy if not pid_alive(struct.unpack("<I", raw[s * _FIELDS + 2:s * _FIELDS + 6])[0])}
         return lent(self.share, self.total, [raw[s * _FIELDS + 1] for s in busy if s not in self._dead])
 
     def refresh(self) -> int:
@@ -139,18 +141,6 @@ def _open_map(path: Path) -> mmap.mmap:
         return mmap.mmap(fd, SLOTS * _FIELDS)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def refresh_per_layer(model: torch.nn.Module, share: CoreShare) -> None:

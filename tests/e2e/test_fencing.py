@@ -27,20 +27,6 @@ PEER = ["transport.heartbeat_s=0.5", "transport.peer_timeout_s=3", "transport.re
 SMALL = ["task.eval_size=16", "trainer.batch_size=16"]  # a quicker start: a smaller evaluation and first batch
 
 
-def child_pids(pid: int) -> list[int]:
-    """Direct children of `pid` (from /proc, so no extra package is needed)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
 def wait_for(predicate, timeout_s: float, what: str, *alive: subprocess.Popen):
     """Poll `predicate` until it is true; fail early if one of `alive` exits meanwhile."""
     deadline = time.monotonic() + timeout_s
@@ -95,16 +81,12 @@ def separate_sides(tmp_path: Path, steps: int = 1000) -> tuple[subprocess.Popen,
     return train, roll
 
 
-def side_pids(proc: subprocess.Popen) -> list[int]:
-    """The child running the side itself (not multiprocessing's resource tracker)."""
-    return [pid for pid in child_pids(proc.pid)
-            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
-
-
-def kill_child(proc: subprocess.Popen) -> float:
-    """SIGKILL the process the command line started (the side itself, not the command-line parent)."""
-    (pid,) = wait_for(lambda: side_pids(proc), 10, "the child process")
-    os.kill(pid, signal.SIGKILL)
+def kill_side(proc: subprocess.Popen, run_dir: Path, name: str) -> float:
+    """SIGKILL the process the command line started (the side itself, not the command-line parent), by the
+    pid file it writes (launch/procs.py)."""
+    pid_file = run_dir / "logs" / f"{name}.pid"
+    wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 10, "the side's pid file", proc)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
     return time.monotonic()
 
 
@@ -130,7 +112,8 @@ def test_a_killed_side_is_reported_by_the_other_in_time(tmp_path, victim):
     sides = {"train": (train, tmp_path / "t" / "logs" / "train.log"),
              "rollout": (roll, tmp_path / "r" / "logs" / "rollout.log")}
     try:
-        killed = kill_child(sides["train" if victim == "trainer" else "rollout"][0])
+        side = "train" if victim == "trainer" else "rollout"
+        killed = kill_side(sides[side][0], tmp_path / side[0], side)
         proc, log = sides[reporter]
         took = reported_after(log, text, killed, 30)
         print(f"{victim} killed: {reporter} reported it after {took:.1f}s (stated bound {bound:g}s)")
