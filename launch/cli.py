@@ -192,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """The `async-rl` command: `main`, then out without the interpreter's teardown (async_rl/utils/exits.py)."""
-    exit_now(main())
+    code = main()
+    procs = sys.modules.get("launch.procs")  # imported by the commands that start processes
+    if code == 2 and procs:  # refused or failed: its fork server's imports, if still going, would go on for nothing
+        procs.stop_fork_server()
+    exit_now(code)
 
 
 if __name__ == "__main__":

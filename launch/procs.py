@@ -50,6 +50,17 @@ def prestart() -> None:
     mp_forkserver.ensure_running()
 
 
+def stop_fork_server() -> None:
+    """Kill the fork server this process started, if any: after a run refused before its children
+    started, so that its imports do not go on for nothing beside whatever runs next."""
+    pid = getattr(mp_forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _adopt_fork_server() -> None:
     """In a child forked by the fork server: die with that server, and start children of its own from
     it. The server is the child's OS parent, which reports the child's exit to whoever started it: a

@@ -7,6 +7,8 @@ Input refused before any process starts is checked in this process (`cli_here`, 
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +124,36 @@ def test_the_real_entry_point_refuses_each_kind_in_one_line(tmp_path):
     for k, (args, needle) in enumerate(cases):
         assert_one_line_error(cli(*args, f"run_dir={tmp_path / str(k)}", timeout=60), needle)
         assert not (tmp_path / str(k) / "logs" / "rollout.log").exists()
+
+
+def test_a_refused_run_leaves_nothing_holding_its_output():
+    """The launcher starts its children's fork server first thing (launch/procs.py); a run refused after
+    that stops it at once. Left alone, it would hold the command's stdout open until its ~5 s of imports
+    were done: a shell pipe, or a test reading the output, would wait for them."""
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "rollout", "--config", AGENTIC,
+                             "transport.addr=tcp://127.0.0.1:9", "rollout.agent=nope"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.wait(60) == 2
+        pipe = os.fstat(proc.stdout.fileno()).st_ino
+        deadline = time.monotonic() + 1.0
+        while (holders := _holders(pipe)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not holders, f"processes still holding the output: {holders}"
+    finally:
+        proc.stdout.close()
+
+
+def _holders(inode: int) -> list[str]:
+    """Command lines of the processes other than this one with pipe `inode` open."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == f"pipe:[{inode}]" for fd in fds):
+                found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except OSError:
+            continue
+    return found
