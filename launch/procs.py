@@ -40,7 +40,8 @@ from launch.common import error_file
 
 logger = logging.getLogger(__name__)
 _CTX = mp.get_context("forkserver")
-PRELOAD = ["launch.trainer_proc", "launch.rollout_proc", "launch.serve", "launch.trainer_ranks"]
+PRELOAD = ["launch.trainer_proc", "launch.rollout_proc", "launch.serve", "launch.trainer_ranks",
+           "transformers.modeling_utils", "transformers.models.llama.modeling_llama"]  # what building a model imports
 _CTX.set_forkserver_preload(PRELOAD)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
