@@ -52,8 +52,9 @@ def prestart() -> None:
 
 
 def stop_fork_server() -> None:
-    """Kill the fork server this process started, if any: after a run refused before its children
-    started, so that its imports do not go on for nothing beside whatever runs next."""
+    """Kill the fork server this process started, if any, once a command has ended with an error (its
+    children, if it started any, already stopped): the server's imports, if still going, would go on
+    for nothing and hold the command's output open."""
     pid = getattr(mp_forkserver._forkserver, "_forkserver_pid", None)
     if pid:
         try:
