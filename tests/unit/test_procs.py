@@ -1,4 +1,4 @@
-"""Children come from one warm fork server (launch/procs.py): they start without re-importing torch,
+"""Children come from one warm fork server (launch/procs.py): they start with its modules imported,
 a child's own children come from the same server, and none outlives the process that started it,
 although its OS parent (the fork server) lives on."""
 
@@ -20,9 +20,10 @@ def _cfg(run_dir: Path) -> Config:
 
 
 def _report(cfg: Config, out: str, nested: bool = False) -> None:
-    """Write this process's OS parent and whether torch was already imported when it started; with
-    `nested`, start a child of its own that does the same, and wait for it."""
-    lines = [f"{os.getppid()} {'torch' in sys.modules}"]
+    """Write this process's OS parent and whether the trainer's module (which neither this module nor
+    launch.procs imports) was already loaded when it started; with `nested`, start a child of its own
+    that does the same, and wait for it."""
+    lines = [f"{os.getppid()} {'launch.trainer_proc' in sys.modules}"]
     if nested:
         child = spawn("grandchild", f"{__name__}:_report", cfg, out=out + ".child")
         child.join(60)
@@ -42,7 +43,7 @@ def test_a_child_starts_warm_and_its_own_children_come_from_the_same_fork_server
     proc.join(120)
     assert proc.exitcode == 0
     child, grandchild = [line.split() for line in (tmp_path / "r").read_text().splitlines()]
-    assert child[1] == "True" and grandchild[1] == "True"  # forked from a process that had imported torch
+    assert child[1] == "True" and grandchild[1] == "True"  # forked from a server that had imported PRELOAD
     assert child[0] != str(os.getpid())  # the fork server is the OS parent, not this process
     assert grandchild[0] == child[0]  # the child asked the same server, it did not start one of its own
 
