@@ -11,6 +11,7 @@ log-probs and versions.
 import asyncio
 import os
 import signal
+import threading
 import time
 from types import SimpleNamespace
 
@@ -291,3 +292,45 @@ def test_wrong_address_and_another_model_are_one_clear_error(servers):
             asyncio.run(_ready_pool(cfg, [servers.urls[0], small], True, servers.tok))
         with pytest.raises(ValueError, match=r"rollout.server_addrs\[0\] .*serves model 'smollm2-135m'.*'tiny'"):
             asyncio.run(_ready_pool(cfg, [named], True, servers.tok))
+
+
+def test_a_server_brought_back_while_this_side_waits_for_it_is_found(servers):
+    """`_ready_pool` (launch/rollout_proc.py) starts the watch, the server keeper, before its first wait: a
+    server that is down when a restarted rollout side begins waiting, and that the keeper starts again on
+    its port, is found. With the watch started after the wait, nobody starts it: the wait runs out."""
+    from launch.rollout_proc import _ready_pool
+    from launch.serve import build_app, build_engine
+
+    port = free_port()
+    cfg = load_config(DEBUG, [f"run_dir={servers.cfg.run_dir}", "rollout.connect_timeout_s=20"])
+    model = load_model(servers.cfg.model, seed=servers.cfg.seed, tokenizer=servers.tok)
+    started = []
+
+    class Keeper:
+        """What the server keeper does for a dead server, a moment later: start it again on its port."""
+
+        def __init__(self):
+            self.timer = threading.Timer(1.0, self.restart)
+            self.timer.start()
+
+        def restart(self):
+            engine = build_engine(model, servers.tok, servers.cfg.engine).start()
+            server = BackgroundServer(build_app(engine, model_name=cfg.model.name, tokenizer=servers.tok), engine,
+                                      port=port, own_engine=True)
+            started.append(server)
+            server.start()
+
+        async def close(self):
+            self.timer.cancel()
+
+    async def main():
+        pool, keeper = await _ready_pool(cfg, [f"http://127.0.0.1:{port}"], False, servers.tok, lambda pool: Keeper())
+        await pool.close()
+        await keeper.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for server in started:
+            server.stop()
+    assert len(started) == 1
