@@ -73,7 +73,7 @@ def _adopt_fork_server() -> None:
     if not (getattr(server, "_forkserver_address", None) and getattr(server, "_forkserver_alive_fd", None) is not None):
         return  # not forked by a fork server
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux
         pass
     server.ensure_running = lambda: None
@@ -116,15 +116,12 @@ def _watch_parent(parent: int) -> None:
     """A child never outlives the process that started it (not its OS parent, the fork server): when
     that process ends, stop gracefully, then for good."""
     try:
-        fd = os.pidfd_open(parent)  # readable once the process has ended, zombie or reaped
+        select.select([os.pidfd_open(parent)], [], [])  # readable once the process has ended, zombie or reaped
     except ProcessLookupError:
-        fd = None  # already gone
+        pass  # already gone
     except (AttributeError, OSError):  # no pidfd here (not Linux, or an old kernel): poll
         while pid_alive(parent):
             time.sleep(1.0)
-        fd = None
-    if fd is not None:
-        select.select([fd], [], [])
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(15.0)
     os._exit(1)

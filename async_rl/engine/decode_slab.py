@@ -111,7 +111,7 @@ class DecodeSlab:
         self.kv_heads, self.group, self.dtype, self.device = kv_heads, group, dtype, device
         self.budget_bytes = budget_bytes
         self.rows_copied = 0  # rows filled from the pool (a sequence starting to decode, or entering a wider tier)
-        self.pool_steps = 0  # steps in which some decodes read the pool: all of them did not fit the budget
+        self.pool_steps = 0  # steps in which some decodes read the pool: not all of them fit the budget
         self.tiers: list[Tier] = []
         width = base
         while True:

@@ -25,6 +25,14 @@ DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
 FINISHED_STEPS = 5  # the steps of the session's finished run (conftest.py)
 
 
+def running(pid: int) -> bool:
+    """`pid` is a process that has not exited: a zombie its parent has yet to reap counts as gone (from /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def cli(*args: str, timeout: float = 400, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m launch.cli ARGS` from the repository root, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.utils.ledger import audit
+from tests.e2e.clitools import running
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
@@ -72,14 +73,6 @@ def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has exited; whoever reaps it does not matter here
-
-
 def _pid(run_dir: Path, component: str) -> int | None:
     """The current pid of a component, read where the run writes it; None while it is not there."""
     try:
@@ -121,7 +114,7 @@ def test_random_kills_of_every_component_within_one_run(tmp_path):
         for component in plan:
             done = len(_rows(tmp_path / "metrics.jsonl")) if not kills else kills[-1][1]
             _wait_for(lambda: len(_rows(tmp_path / "metrics.jsonl")) > done
-                      and all(_alive(_pid(tmp_path, c) or 0) for c in ("server0", "rollout", "trainer")), proc,
+                      and all(running(_pid(tmp_path, c) or 0) for c in ("server0", "rollout", "trainer")), proc,
                       why=f"a step after kills {kills} and every component up (seed {seed}, plan {plan})")
             _check_server_port(tmp_path, kills, url)
             assert len(_rows(tmp_path / "metrics.jsonl")) < steps - 2, f"the run outran kills {kills} of {plan}"
@@ -205,9 +198,9 @@ def test_sigterm_drains_and_exits_143(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     assert not _rows(tmp_path / "restarts.jsonl")  # what stops while draining is not restarted
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert not any(running(p) for p in pids)
     ckpt = latest_checkpoint(tmp_path / "checkpoints")
     # the trainer finished the step it was in, checkpointed it, and told the rollout side to stop
     rows = _rows(tmp_path / "metrics.jsonl")

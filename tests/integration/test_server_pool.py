@@ -49,7 +49,7 @@ def servers(tmp_path_factory):
     model = load_model(cfg.model, seed=cfg.seed, tokenizer=tok)
     weights = save_weights_dir(model, tmp / "same_weights")  # the servers' own weights, to load as "new" versions
     started = [start_server(cfg, i) for i in range(2)]
-    yield SimpleNamespace(cfg=cfg, tok=tok, weights=weights, procs=[p for p, _ in started],
+    yield SimpleNamespace(cfg=cfg, tok=tok, model=model, weights=weights, procs=[p for p, _ in started],
                           urls=[u for _, u in started])
     for p in started:
         if p[0].is_alive():
@@ -303,7 +303,6 @@ def test_a_server_brought_back_while_this_side_waits_for_it_is_found(servers):
 
     port = free_port()
     cfg = load_config(DEBUG, [f"run_dir={servers.cfg.run_dir}", "rollout.connect_timeout_s=20"])
-    model = load_model(servers.cfg.model, seed=servers.cfg.seed, tokenizer=servers.tok)
     started = []
 
     class Keeper:
@@ -314,7 +313,7 @@ def test_a_server_brought_back_while_this_side_waits_for_it_is_found(servers):
             self.timer.start()
 
         def restart(self):
-            engine = build_engine(model, servers.tok, servers.cfg.engine).start()
+            engine = build_engine(servers.model, servers.tok, servers.cfg.engine).start()
             server = BackgroundServer(build_app(engine, model_name=cfg.model.name, tokenizer=servers.tok), engine,
                                       port=port, own_engine=True)
             started.append(server)

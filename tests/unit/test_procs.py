@@ -11,6 +11,7 @@ from pathlib import Path
 
 from async_rl.config import Config, load_config
 from launch.procs import spawn
+from tests.e2e.clitools import running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,9 +62,9 @@ def test_a_fork_server_killed_ends_its_children_and_the_next_start_gets_a_new_on
     os.kill(server, signal.SIGKILL)
     proc.join(30)
     deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
+    while running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child), "a child outlived its fork server"
+    assert not running(child), "a child outlived its fork server"
     again = spawn("child", f"{__name__}:_report", cfg, out=str(tmp_path / "r"))
     again.join(120)
     assert again.exitcode == 0 and (tmp_path / "r").read_text().split()[0] != str(server)
@@ -86,21 +87,13 @@ def test_a_child_stops_when_the_process_that_started_it_is_killed(tmp_path):
         starter.send_signal(signal.SIGKILL)
         starter.wait(10)
         deadline = time.monotonic() + 30
-        while _alive(child) and time.monotonic() < deadline:
+        while running(child) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(child), "the child outlived the process that started it"
+        assert not running(child), "the child outlived the process that started it"
     finally:
         starter.kill()
-        if out.is_file() and out.read_text() and _alive(int(out.read_text())):
+        if out.is_file() and out.read_text() and running(int(out.read_text())):
             os.kill(int(out.read_text()), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie its OS parent has yet to reap."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_what_the_fork_server_imports_touches_no_cuda():
