@@ -245,8 +245,10 @@ class RayRun:
             time.sleep(POLL_S)
 
     def teardown(self) -> None:
-        """Stop the processes (rollout first, servers last), end the actors, free the bundles."""
-        for group in (["rollout"], self.trainers, self.servers):
+        """Stop the processes (rollout first, servers last), end the actors, free the bundles. Trainer rank 0
+        stops before its followers: it checkpoints with them and then tells them to stop, where followers
+        stopped alongside it would leave its last collectives, and its wait for them, to the grace period."""
+        for group in (["rollout"], self.trainers[:1], self.trainers[1:], self.servers):
             refs = [self.hosts[n].stop.remote(STOP_GRACE_S) for n in group if n in self.hosts]
             if refs:
                 self.ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S + 10)

@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from async_rl.config import load_config
+from async_rl.trainer.checkpoint import latest_checkpoint
 from launch.common import free_port
 from launch.local import RunFailed
 from launch.ray_launcher import run_ray
@@ -180,4 +181,9 @@ def test_two_trainer_ranks_train_then_sigterm_tears_everything_down(tmp_path, cl
     assert not listening(queue[0], int(queue[1])), "trainer still listening"
     assert "placed 4 bundles" in (tmp_path / "logs" / "launcher.log").read_text()
     assert (tmp_path / "logs" / "trainer1.log").is_file()  # rank 1 ran (in its own bundle) and took the step
+    # rank 0 stopped first: it checkpointed the last step with rank 1, then told it to stop (stopped together,
+    # rank 1 died under rank 0's last collectives and the teardown waited out the grace period)
+    assert "trainer rank 1: stop after" in (tmp_path / "logs" / "trainer1.log").read_text()
+    trained = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert latest_checkpoint(tmp_path / "checkpoints").name == f"step_{trained:06d}"
     assert free_cpus(cluster) == 2
