@@ -4,9 +4,9 @@ Two measurements, in one process, on the model and dtype `engine_throughput.py` 
 - **The step, split.** The long-tailed workload of `engine_throughput.py` (128 requests, all at once)
   runs once through `LLMEngine` with its parts timed in place: the linear layers (`_Linear.whole`,
   the GEMMs of q/k/v, o, gate/up, down and the LM head), decode attention (`_slab_attention`,
-  `_decode_attention`), sampling (`Sampler.__call__`); the rest of `ModelRunner.run` (norms, rotary,
-  KV writes, prefill attention, residuals: element-wise ops and Python) and the rest of `step`
-  (scheduling, bookkeeping). Each part's share of the wall time, the GEMMs' FLOP/s, and the share of
+  `_decode_attention`), the step's layout (`prepare`), RMS norms, rotary, decode KV writes into the
+  slab, sampling (`Sampler.__call__`); the rest of `ModelRunner.run` (pool KV writes, prefill attention,
+  SiLU x up, residuals: element-wise ops and Python) and the rest of `step` (scheduling, bookkeeping). Each part's share of the wall time, the GEMMs' FLOP/s, and the share of
   the GEMM roof the run would reach if everything but the GEMMs and decode attention took no time:
   the ceiling the present kernels put on `engine_throughput.py`'s "share of GEMM roof".
 - **The GEMMs by rows.** The engine's own linear layers (`_Linear`, with its choice of kernel per row
@@ -22,6 +22,7 @@ Results: benchmarks/results/engine_ceiling.md and .json (the last run).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from async_rl.config import EngineConfig, ModelConfig  # noqa: E402
-from async_rl.engine import model_runner, sampler  # noqa: E402
+from async_rl.engine import decode_slab, model_runner, sampler  # noqa: E402
 from async_rl.engine.llm_engine import LLMEngine  # noqa: E402
 from async_rl.models import PRINTABLE, load_model, load_tokenizer  # noqa: E402
 from async_rl.types import SamplingParams  # noqa: E402
@@ -63,8 +64,9 @@ class Clock:
                 clock.flops += flops(*args)
             return out
 
-        setattr(owner, attr, timed)
-        self._undo.append((owner, attr, inner))
+        static = inspect.getattr_static(owner, attr)
+        setattr(owner, attr, staticmethod(timed) if isinstance(static, staticmethod) else timed)
+        self._undo.append((owner, attr, static))
 
     def unwrap(self) -> None:
         for owner, attr, inner in reversed(self._undo):
@@ -85,6 +87,10 @@ def split_step(model, work, cfg: EngineConfig) -> dict:
     clock.wrap(runner_cls, "_slab_attention", "decode_attention")
     clock.wrap(runner_cls, "_decode_attention", "decode_attention")
     clock.wrap(runner_cls, "run", "runner")
+    clock.wrap(runner_cls, "prepare", "prepare")
+    clock.wrap(runner_cls, "_rms_norm", "rms_norm")
+    clock.wrap(runner_cls, "_rotate", "rotary")
+    clock.wrap(decode_slab.DecodeSlab, "write", "slab_write")
     clock.wrap(sampler.Sampler, "__call__", "sampling")
     try:
         for i, (prompt, new) in enumerate(work):
@@ -99,8 +105,11 @@ def split_step(model, work, cfg: EngineConfig) -> dict:
         clock.unwrap()
     s = clock.seconds
     parts = {"GEMMs (linear layers, LM head)": s["gemm"], "decode attention": s["decode_attention"],
-             "rest of the forward (norms, rotary, KV writes, prefill attention, residuals, Python)":
-                 s["runner"] - s["gemm"] - s["decode_attention"],
+             "step layout (`prepare`: token, slot and attention tables, slab rows)": s["prepare"],
+             "RMS norms": s["rms_norm"], "rotary": s["rotary"], "decode KV writes into the slab": s["slab_write"],
+             "rest of the forward (pool KV writes, prefill attention, SiLU x up, residuals, Python)":
+                 s["runner"] - s["gemm"] - s["decode_attention"] - s["prepare"] - s["rms_norm"] - s["rotary"]
+                 - s["slab_write"],
              "sampling": s["sampling"], "rest of the step (scheduling, bookkeeping)": wall - s["runner"] - s["sampling"]}
     return {"wall_s": wall, "steps": steps, "parts_s": parts, "gemm_flops": clock.flops}
 
@@ -149,6 +158,7 @@ def main() -> None:
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5, help="passes over the layers per row count (median)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS), help="row counts of the GEMM table (none: skip it)")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(args.seed)
@@ -162,7 +172,7 @@ def main() -> None:
     split_step(model, work[:8], cfg)  # warm-up: one-off allocations and packing
     split = split_step(model, work, cfg)
     roof, shape = gemm_roof([(512, hidden, inter), (512, inter, hidden), (512, 2048, 2048)], dtype)
-    by_rows = gemm_rows(model, ROWS, args.reps)
+    by_rows = gemm_rows(model, tuple(args.rows), args.reps)
     bandwidth = read_bandwidth()
     flops = model_flops(model, work)
     wall, parts = split["wall_s"], split["parts_s"]
@@ -179,11 +189,13 @@ def main() -> None:
               f"Share of the roof as `engine_throughput.py` counts it ({flops / 1e12:.2f} TFLOP over the wall time): "
               f"**{flops / wall / roof:.1%}**; with every part but the GEMMs and decode attention taking no time: "
               f"**{flops / kernels / roof:.1%}**.", "",
-              f"The engine's linear layers, every layer once (weights {by_rows[0]['weights_gb_s'] * by_rows[0]['seconds']:.2f} GB); "
-              f"memory read bandwidth of the same threads: {bandwidth:.1f} GB/s.", "",
-              "| rows | ms per pass | GFLOP/s | share of roof | weights GB/s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['rows']} | {r['seconds'] * 1e3:.1f} | {r['gflops']:.0f} | {r['gflops'] * 1e9 / roof:.0%} | "
-              f"{r['weights_gb_s']:.1f} |" for r in by_rows]
+              f"Memory read bandwidth of the same threads: {bandwidth:.1f} GB/s."]
+    if by_rows:
+        lines += ["", f"The engine's linear layers, every layer once (weights "
+                  f"{by_rows[0]['weights_gb_s'] * by_rows[0]['seconds']:.2f} GB):", "",
+                  "| rows | ms per pass | GFLOP/s | share of roof | weights GB/s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['rows']} | {r['seconds'] * 1e3:.1f} | {r['gflops']:.0f} | {r['gflops'] * 1e9 / roof:.0%} | "
+                  f"{r['weights_gb_s']:.1f} |" for r in by_rows]
     md = "\n".join(lines)
     print(md)
     write_results("engine_ceiling", md, {"split": split, "roof": roof, "roof_shape": shape, "gemm_rows": by_rows,
