@@ -45,7 +45,8 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 class Clock:
-    """Seconds spent in the wrapped callables, by name; nested wraps count in their own name only."""
+    """Seconds spent in the wrapped callables, by name (a wrapped call inside another counts in both: the
+    split subtracts the inner parts from the outer), and the FLOPs of the wrapped GEMMs."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
