@@ -35,11 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from async_rl.config import EngineConfig, ModelConfig  # noqa: E402
 from async_rl.engine import decode_slab, model_runner, sampler  # noqa: E402
-from async_rl.engine.llm_engine import LLMEngine  # noqa: E402
 from async_rl.models import PRINTABLE, load_model, load_tokenizer  # noqa: E402
-from async_rl.types import SamplingParams  # noqa: E402
 from benchmarks.common import gemm_roof, write_results  # noqa: E402
-from benchmarks.engine_throughput import model_flops, workload  # noqa: E402
+from benchmarks.engine_throughput import model_flops, run_engine, workload  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -50,6 +48,7 @@ class Clock:
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self.flops = 0.0
         self._undo: list = []
 
@@ -61,6 +60,7 @@ class Clock:
             t0 = time.perf_counter()
             out = inner(*args, **kwargs)
             clock.seconds[name] += time.perf_counter() - t0
+            clock.calls[name] += 1
             if flops is not None:
                 clock.flops += flops(*args)
             return out
@@ -82,7 +82,6 @@ def _linear_flops(lin, h) -> float:
 def split_step(model, work, cfg: EngineConfig) -> dict:
     """One run of the workload with the engine's parts timed in place."""
     clock = Clock()
-    engine = LLMEngine(model, cfg)
     runner_cls = model_runner.ModelRunner
     clock.wrap(model_runner._Linear, "whole", "gemm", _linear_flops)
     clock.wrap(runner_cls, "_slab_attention", "decode_attention")
@@ -94,14 +93,7 @@ def split_step(model, work, cfg: EngineConfig) -> dict:
     clock.wrap(decode_slab.DecodeSlab, "write", "slab_write")
     clock.wrap(sampler.Sampler, "__call__", "sampling")
     try:
-        for i, (prompt, new) in enumerate(work):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True))
-        steps = 0
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
-            steps += 1
-        wall = time.perf_counter() - t0
+        wall, _, _ = run_engine(model, cfg, work, "engine, parts timed")
     finally:
         clock.unwrap()
     s = clock.seconds
@@ -112,7 +104,7 @@ def split_step(model, work, cfg: EngineConfig) -> dict:
                  s["runner"] - s["gemm"] - s["decode_attention"] - s["prepare"] - s["rms_norm"] - s["rotary"]
                  - s["slab_write"],
              "sampling": s["sampling"], "rest of the step (scheduling, bookkeeping)": wall - s["runner"] - s["sampling"]}
-    return {"wall_s": wall, "steps": steps, "parts_s": parts, "gemm_flops": clock.flops}
+    return {"wall_s": wall, "steps": clock.calls["runner"], "parts_s": parts, "gemm_flops": clock.flops}
 
 
 def gemm_rows(model, rows: tuple[int, ...], reps: int) -> list[dict]:
