@@ -55,12 +55,15 @@ class Tier:
     def rows(self) -> int:
         return self.kt.shape[1]
 
-    def resize(self, rows: int) -> None:
-        """Room for `rows` rows; a shrink keeps rows 0..rows-1."""
-        old = min(self.rows, rows)
-        kt = self.kt.new_zeros(self.kt.shape[0], rows, *self.kt.shape[2:])
-        v = self.v.new_zeros(self.v.shape[0], rows, *self.v.shape[2:])
+    def resize(self, rows: int, keep: int | None = None) -> None:
+        """Room for `rows` rows; rows 0..keep-1 (by default all that remain) keep their contents, the others
+        are zeroed (a masked key or value must be finite: 0 x NaN is NaN)."""
+        old = min(self.rows, rows, self.rows if keep is None else keep)
+        kt = self.kt.new_empty(self.kt.shape[0], rows, *self.kt.shape[2:])
+        v = self.v.new_empty(self.v.shape[0], rows, *self.v.shape[2:])
         kt[:, :old], v[:, :old] = self.kt[:, :old], self.v[:, :old]
+        kt[:, old:].zero_()
+        v[:, old:].zero_()
         self.kt, self.v = kt, v
         self.length = self.length[:old] + [0] * (rows - old)
         self.row_of = {seq: row for seq, row in self.row_of.items() if row < rows}
@@ -140,18 +143,14 @@ class DecodeSlab:
             if t is None:  # longer than the model's context: never scheduled, but read the pool then
                 return self._give_up()
             by_tier[t].append(d)
-        # a tier short of rows grows to a multiple of 8; over the budget, each tier takes what fits (`_what_fits`)
-        target = [-(-len(ds) // 8) * 8 if len(ds) > t.rows else t.rows for t, ds in zip(self.tiers, by_tier)]
-        if sum(r * t.bytes_per_row for r, t in zip(target, self.tiers)) > self.budget_bytes:
-            by_tier = self._what_fits(by_tier)
-            target = [len(ds) for ds in by_tier]
+        by_tier, target = self._rows_for(by_tier)
         steps = []
         for tier, rows, ds in zip(self.tiers, target, by_tier):
             if rows > tier.rows:
                 tier.resize(rows)
             self.rows_copied += tier.place(ds, pool, block_size)
             if rows < tier.rows:
-                tier.resize(rows)
+                tier.resize(rows, keep=len(ds))
             if ds:
                 ds.sort(key=lambda d: tier.row_of[d[0]])
                 steps.append(self._step(tier, ds))
@@ -159,18 +158,55 @@ class DecodeSlab:
             self.pool_steps += 1
         return steps
 
-    def _what_fits(self, by_tier: list[list[tuple[object, int, list[int]]]]) -> list[list[tuple[object, int, list[int]]]]:
-        """The decodes of each tier that fit the budget together: first those whose row already holds their
-        KV (no copy, and the slab keeps what it holds from step to step), then the narrowest."""
+    def _rows_for(self, by_tier: list[list[tuple[object, int, list[int]]]]) -> tuple[list[list], list[int]]:
+        """The decodes each tier takes this step and the rows it holds for them. Resizing a tier copies all of
+        it: at 256 requests of the engine_throughput workload (fp32 SmolLM2-135M, 512 MB of KV) resizes by
+        the step's needs took ~10% of the wall time, the slab at its budget, sequences moving to wider
+        tiers as they grow. So a tier keeps the rows it has; one short of rows grows to twice them, else to a
+        multiple of 8 over its need, whichever fits the budget. Over the budget, each tier keeps its rows and
+        the decodes past them read the pool, until a quarter of the budget lies in rows no decode uses: then
+        every tier is cut to its need (to a multiple of 8, else to the row, `_what_fits`)."""
+        need = [len(ds) for ds in by_tier]
+        round8 = [-(-n // 8) * 8 for n in need]
+        rows = [t.rows for t in self.tiers]
+        grown = [max(r8, 2 * r) if n > r else r for r, n, r8 in zip(rows, need, round8)]
+        snug = [r8 if n > r else r for r, n, r8 in zip(rows, need, round8)]
+        for target in (grown, snug):
+            if self._bytes(target) <= self.budget_bytes:
+                return by_tier, target
+        idle = sum(max(0, r - n) * t.bytes_per_row for r, n, t in zip(rows, need, self.tiers))
+        if 4 * idle < self.budget_bytes:
+            room = self.budget_bytes - self._bytes(rows)
+            rows = list(rows)
+            for i, (n, t) in enumerate(zip(need, self.tiers)):  # room the budget still has goes to the narrowest
+                more = min(max(0, n - rows[i]), room // t.bytes_per_row)
+                rows[i] += more
+                room -= more * t.bytes_per_row
+            return self._what_fits(by_tier, rows), rows
+        if self._bytes(round8) <= self.budget_bytes:
+            return by_tier, round8
+        by_tier = self._what_fits(by_tier)
+        return by_tier, [len(ds) for ds in by_tier]
+
+    def _bytes(self, rows: list[int]) -> int:
+        return sum(r * t.bytes_per_row for r, t in zip(rows, self.tiers))
+
+    def _what_fits(self, by_tier: list[list[tuple[object, int, list[int]]]],
+                   caps: list[int] | None = None) -> list[list[tuple[object, int, list[int]]]]:
+        """The decodes of each tier that fit the budget together (and at most `caps[i]` in tier i): first those
+        whose row already holds their KV (no copy, and the slab keeps what it holds from step to step), then
+        the narrowest."""
         held = [[d for d in ds if d[0] in tier.row_of and tier.length[tier.row_of[d[0]]] == d[1]]
                 for tier, ds in zip(self.tiers, by_tier)]
         fresh = [[d for d in ds if d[0] not in kept] for ds, kept in zip(by_tier, ({d[0] for d in h} for h in held))]
         room, out = self.budget_bytes, [[] for _ in self.tiers]
+        left = list(caps) if caps is not None else [len(ds) for ds in by_tier]
         for group in (held, fresh):
             for i, tier in enumerate(self.tiers):
-                n = min(len(group[i]), room // tier.bytes_per_row)
+                n = min(len(group[i]), room // tier.bytes_per_row, left[i])
                 out[i] += group[i][:n]
                 room -= n * tier.bytes_per_row
+                left[i] -= n
         return out
 
     def _give_up(self) -> None:

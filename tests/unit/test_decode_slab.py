@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from async_rl.engine.decode_slab import DecodeSlab
+from async_rl.engine.decode_slab import DecodeSlab, Tier
 from async_rl.types import SamplingParams
 
 from tests.unit.test_engine_core import hf_logprobs, model, prompts, run, tok  # noqa: F401 (fixtures)
@@ -143,3 +143,22 @@ def test_decodes_left_out_of_the_slab_read_the_pool_in_the_same_step(model, tok)
     for rid in reqs:
         assert outs[rid].output_ids == pool[rid].output_ids, rid
         assert max(abs(a - b) for a, b in zip(outs[rid].output_logprobs, pool[rid].output_logprobs)) <= 1e-4, rid
+
+
+def test_a_slab_at_its_budget_does_not_resize_every_step(monkeypatch):
+    """24 sequences moving through the 8-16-32-64 tiers with a budget that cannot hold them all: resizing
+    copies a whole tier, so tiers keep the rows they have and are cut down only once a quarter of the
+    budget lies idle. Resizing to each step's needs (the policy before) resized 39 times in 40 steps."""
+    resizes = []
+    real = Tier.resize
+    monkeypatch.setattr(Tier, "resize", lambda tier, *a, **k: (resizes.append(tier.width), real(tier, *a, **k))[1])
+    slab = DecodeSlab(1, 1, 4, group=1, dtype=torch.float32, device=torch.device("cpu"),
+                      budget_bytes=40000, max_context=64, base=8)
+    pool = torch.randn(1, 2, 64, 4, 1, 4)
+    start = {s: (3 * s) % 40 for s in range(24)}
+    for step in range(40):
+        steps = slab.place([(s, start[s] + step, list(range(16))) for s in range(24) if start[s] + step < 64], pool, 4)
+        assert sum(t.rows * t.bytes_per_row for t in slab.tiers) <= slab.budget_bytes
+        slab.advance(steps)
+    assert len(resizes) <= 20, resizes
+    assert slab.pool_steps < 40  # and the slab still holds what fits: not every step read the pool
