@@ -42,26 +42,28 @@ def gemm_roof(shapes: list[tuple[int, int, int]], dtype: "torch.dtype | None" = 
               trial_s: float = 0.25, trials: int = 3) -> tuple[float, str]:
     """The best GEMM FLOP/s this process reaches (its torch threads, `dtype`, fp32 by default) over
     `shapes` (m, k, n), and the shape that gave it: the machine's roof a benchmark's FLOP/s is a share of.
-    Each shape runs `trials` timed loops of ~`trial_s` seconds after a warm-up loop, and its best loop
-    counts. (Until 2026-11-28 one loop of >= 2 GFLOP was timed: a single 512x2048x2048 product, ~20 ms,
-    which on the 2-core Xeon read 159 GFLOP/s in one run against 216-247 in loops of ten: a roof read
-    low makes every share of it look high.)"""
+    Each shape runs `trials` timed loops of ~`trial_s` seconds, sized by a warm-up of ~`trial_s` / 4,
+    and its best loop counts. (Until 2026-11-28 one loop of >= 2 GFLOP was timed: a single
+    512x2048x2048 product, ~20 ms, which on the 2-core Xeon read 159 GFLOP/s in one run against
+    216-247 in loops of ten: a roof read low makes every share of it look high.)"""
     import torch
 
     dtype = dtype or torch.float32
     best, name = 0.0, ""
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        t0 = time.perf_counter()
-        a @ b
-        reps = max(3, int(trial_s / max(time.perf_counter() - t0, 1e-6)))
+        calls, t0 = 0, time.perf_counter()
+        while calls < 3 or time.perf_counter() - t0 < trial_s / 4:  # warm-up (a first call may pack or reorder)
+            a @ b
+            calls += 1
+        reps = max(3, int(trial_s * calls / (time.perf_counter() - t0)))
         rates = []
-        for _ in range(trials + 1):
+        for _ in range(trials):
             t0 = time.perf_counter()
             for _ in range(reps):
                 a @ b
             rates.append(2 * m * k * n * reps / (time.perf_counter() - t0))
-        rate = max(rates[1:])  # the first loop warms up
+        rate = max(rates)
         if rate > best:
             best, name = rate, f"{m}x{k}x{n}"
     return best, name
