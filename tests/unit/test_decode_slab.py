@@ -148,7 +148,8 @@ def test_decodes_left_out_of_the_slab_read_the_pool_in_the_same_step(model, tok)
 def test_a_slab_at_its_budget_does_not_resize_every_step(monkeypatch):
     """24 sequences moving through the 8-16-32-64 tiers with a budget that cannot hold them all: resizing
     copies a whole tier, so tiers keep the rows they have and are cut down only once a quarter of the
-    budget lies idle. Resizing to each step's needs (the policy before) resized 39 times in 40 steps."""
+    budget lies idle. Resizing to each step's needs (the policy before) resized 39 times in 40 steps. Every
+    row a step reads holds its sequence's KV (a shrink that kept no rows fails here)."""
     resizes = []
     real = Tier.resize
     monkeypatch.setattr(Tier, "resize", lambda tier, *a, **k: (resizes.append(tier.width), real(tier, *a, **k))[1])
@@ -156,9 +157,15 @@ def test_a_slab_at_its_budget_does_not_resize_every_step(monkeypatch):
                       budget_bytes=40000, max_context=64, base=8)
     pool = torch.randn(1, 2, 64, 4, 1, 4)
     start = {s: (3 * s) % 40 for s in range(24)}
+    keys, values = pool[0, 0].reshape(-1, 1, 4)[:64], pool[0, 1].reshape(-1, 1, 4)[:64]  # token p: slot p (blocks 0-15)
     for step in range(40):
         steps = slab.place([(s, start[s] + step, list(range(16))) for s in range(24) if start[s] + step < 64], pool, 4)
         assert sum(t.rows * t.bytes_per_row for t in slab.tiers) <= slab.budget_bytes
+        for ts in steps:  # what the runner does per layer: the new token's K/V into its row
+            DecodeSlab.write(0, ts, keys[ts.positions], values[ts.positions])
+            for row, (_, pos, _) in enumerate(ts.decodes):  # every row holds its sequence's KV, kept or copied
+                assert torch.equal(ts.tier.kt[0, row, :, :, :pos + 1], keys[:pos + 1].permute(1, 2, 0))
+                assert torch.equal(ts.tier.v[0, row, :, :pos + 1], values[:pos + 1].transpose(0, 1))
         slab.advance(steps)
     assert len(resizes) <= 20, resizes
     assert slab.pool_steps < 40  # and the slab still holds what fits: not every step read the pool
