@@ -32,10 +32,6 @@ def with_free_port(addr: str) -> str:
     return addr
 
 
-def error_file(run_dir: str | Path, name: str) -> Path:
-    return Path(run_dir) / "logs" / f"{name}.error"
-
-
 def up_file(run_dir: str | Path, name: str) -> Path:
     """Exists once process `name` of this launch got through its start (see `mark_up`)."""
     return Path(run_dir) / "logs" / f"{name}.up"

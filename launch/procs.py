@@ -36,7 +36,6 @@ from async_rl.config import Config
 from async_rl.utils.exits import exit_now
 from async_rl.utils.logs import one_line, setup_logging
 from async_rl.utils.pids import pid_alive
-from launch.common import error_file
 
 logger = logging.getLogger(__name__)
 _CTX = mp.get_context("forkserver")
@@ -61,6 +60,11 @@ def stop_fork_server() -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def error_file(run_dir: str | Path, name: str) -> Path:
+    """Where child `name` writes its one-line error (`child_entry`), for its starter to report."""
+    return Path(run_dir) / "logs" / f"{name}.error"
 
 
 def _adopt_fork_server() -> None:
