@@ -37,7 +37,7 @@ from async_rl.config import EngineConfig, ModelConfig  # noqa: E402
 from async_rl.engine import decode_slab, model_runner, sampler  # noqa: E402
 from async_rl.models import PRINTABLE, load_model, load_tokenizer  # noqa: E402
 from benchmarks.common import gemm_roof, write_results  # noqa: E402
-from benchmarks.engine_throughput import model_flops, run_engine, workload  # noqa: E402
+from benchmarks.engine_throughput import model_flops, roof_shapes, run_engine, workload  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -158,13 +158,12 @@ def main() -> None:
     mc = ModelConfig(name=args.model, dtype=args.dtype, tiny_alphabet=PRINTABLE, max_position=1024)
     model = load_model(mc, seed=args.seed, tokenizer=load_tokenizer(mc))
     dtype = next(model.parameters()).dtype
-    hidden, inter = model.config.hidden_size, model.config.intermediate_size
     work = workload(model.get_input_embeddings().weight.shape[0], args.num_prompts, False, args.seed)
     cfg = EngineConfig(kv_cache_mb=args.kv_cache_mb, max_running=args.max_running, max_tokens_per_step=2048,
                        enable_prefix_caching=True)
     split_step(model, work[:8], cfg)  # warm-up: one-off allocations and packing
     split = split_step(model, work, cfg)
-    roof, shape = gemm_roof([(512, hidden, inter), (512, inter, hidden), (512, 2048, 2048)], dtype)
+    roof, shape = gemm_roof(roof_shapes(model), dtype)
     by_rows = gemm_rows(model, tuple(args.rows), args.reps)
     bandwidth = read_bandwidth()
     flops = model_flops(model, work)

@@ -188,6 +188,13 @@ def model_flops(model, work) -> float:
     return 2.0 * linear * tokens + 4.0 * cfg.num_hidden_layers * cfg.hidden_size * attended
 
 
+def roof_shapes(model) -> list[tuple[int, int, int]]:
+    """The GEMMs (m, k, n) a roof is measured over: the model's MLP shapes at 512 rows, and 512x2048x2048."""
+    hidden = model.config.hidden_size
+    inter = getattr(model.config, "intermediate_size", 4 * hidden)
+    return [(512, hidden, inter), (512, inter, hidden), (512, 2048, 2048)]
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -211,16 +218,15 @@ def measure(args) -> dict:
     load_before = os.getloadavg()[0]
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     rounds: list[dict] = []  # each round times the engine, the roof, then generate at every batch size
-    hidden, inter = model.config.hidden_size, getattr(model.config, "intermediate_size", 4 * model.config.hidden_size)
     dtype = next(model.parameters()).dtype
-    roof_shapes = [(512, hidden, inter), (512, inter, hidden), (512, 2048, 2048)]
+    shapes = roof_shapes(model)
     peak_rss, stats = 0.0, {}
     for r in range(args.repeats):
         engine_s, engine_cpu, engine = run_engine(model, cfg, work, f"round {r + 1}: engine")
         if r == 0:
             peak_rss, stats = peak_rss_mb(), engine.stats()
         del engine
-        roof, shape = gemm_roof(roof_shapes, dtype)  # this round's roof, beside its engine run
+        roof, shape = gemm_roof(shapes, dtype)  # this round's roof, beside its engine run
         # the same engine with the decode slab off: decoding sequences gather their KV from the paged pool
         pool_s, _, engine = run_engine(model, dataclasses.replace(cfg, decode_slab=False), work,
                                        f"round {r + 1}: engine, KV from the pool")
