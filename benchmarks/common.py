@@ -39,7 +39,7 @@ def _cpu_model() -> str:
 
 
 def gemm_roof(shapes: list[tuple[int, int, int]], dtype: "torch.dtype | None" = None,
-              trial_s: float = 0.25, trials: int = 3) -> tuple[float, str]:
+              trial_s: float = 0.25, trials: int = 3, device: str = "cpu") -> tuple[float, str]:
     """The best GEMM FLOP/s this process reaches (its torch threads, `dtype`, fp32 by default) over
     `shapes` (m, k, n), and the shape that gave it: the machine's roof a benchmark's FLOP/s is a share of.
     Each shape runs `trials` timed loops of ~`trial_s` seconds, sized by a warm-up of ~`trial_s` / 4,
@@ -49,19 +49,22 @@ def gemm_roof(shapes: list[tuple[int, int, int]], dtype: "torch.dtype | None" = 
     import torch
 
     dtype = dtype or torch.float32
+    sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
     best, name = 0.0, ""
     for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
         calls, t0 = 0, time.perf_counter()
         while calls < 3 or time.perf_counter() - t0 < trial_s / 4:  # warm-up (a first call may pack or reorder)
             a @ b
             calls += 1
+            sync()
         reps = max(3, int(trial_s * calls / (time.perf_counter() - t0)))
         rates = []
         for _ in range(trials):
             t0 = time.perf_counter()
             for _ in range(reps):
                 a @ b
+            sync()
             rates.append(2 * m * k * n * reps / (time.perf_counter() - t0))
         rate = max(rates)
         if rate > best:

@@ -128,13 +128,15 @@ def run_hf(model, work, batch_size: int, pad_id: int, desc: str) -> tuple[float,
     for start in tqdm(range(0, len(work), batch_size), desc=desc, leave=False):
         batch = work[start:start + batch_size]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=model.device)
         longest = max(m for _, m in batch)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
         assert out.shape[1] == width + longest
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -204,7 +206,7 @@ def measure(args) -> dict:
     base_rss = current_rss_mb()
     mc = ModelConfig(name=args.model, dtype=args.dtype, tiny_alphabet=PRINTABLE, max_position=1024)
     tok = load_tokenizer(mc)
-    model = load_model(mc, seed=args.seed, tokenizer=tok)
+    model = load_model(mc, seed=args.seed, tokenizer=tok, device=args.device)
     model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     vocab = model.get_input_embeddings().weight.shape[0]
     work = workload(vocab, args.num_prompts, args.quick, args.seed)
@@ -226,7 +228,7 @@ def measure(args) -> dict:
         if r == 0:
             peak_rss, stats = peak_rss_mb(), engine.stats()
         del engine
-        roof, shape = gemm_roof(shapes, dtype)  # this round's roof, beside its engine run
+        roof, shape = gemm_roof(shapes, dtype, device=args.device)  # this round's roof, beside its engine run
         # the same engine with the decode slab off: decoding sequences gather their KV from the paged pool
         pool_s, _, engine = run_engine(model, dataclasses.replace(cfg, decode_slab=False), work,
                                        f"round {r + 1}: engine, KV from the pool")
@@ -242,7 +244,7 @@ def measure(args) -> dict:
     shape = max(rounds, key=lambda r: r["roof"])["roof_shape"]
     engine_tps = [useful / r["engine_s"] for r in rounds]
     return {
-        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "model": args.model, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(), "repeats": args.repeats,
         "num_prompts": len(work), "useful_tokens": useful,
         "prompt_tokens": sum(len(p) for p, _ in work),
         "engine": {"tokens_per_s": spread(engine_tps), "runs_seconds": [r["engine_s"] for r in rounds],
@@ -268,7 +270,8 @@ def measure(args) -> dict:
         "engine_config": {"kv_cache_mb": cfg.kv_cache_mb, "max_running": cfg.max_running,
                           "max_tokens_per_step": cfg.max_tokens_per_step, "block_size": cfg.block_size},
         "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-        "machine": machine_line(),
+        "machine": machine_line() + (f", {torch.cuda.get_device_name(args.device)}, CUDA {torch.version.cuda}"
+                                     if args.device.startswith("cuda") else ""),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
 
@@ -329,18 +332,18 @@ def table(entries: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results(entry: dict) -> dict:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / "engine_throughput.json"
+def write_results(entry: dict, results: Path = RESULTS) -> dict:
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / "engine_throughput.json"
     entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries[f"{entry['model']}/{entry['dtype']}{'/quick' if '--quick' in entry['command'] else ''}"] = entry
+    entries[f"{entry['model']}/{entry['dtype']}{'/' + entry['device'] if entry.get('device', 'cpu') != 'cpu' else ''}{'/quick' if '--quick' in entry['command'] else ''}"] = entry
     path.write_text(json.dumps(entries, indent=2) + "\n")
     md = ["# Engine throughput vs HF generate", "",
           "Useful generated tokens/s on a long-tailed workload (temperature 1.0, EOS ignored); "
           "see benchmarks/engine_throughput.py.", "", table(entries), "", "Commands:", ""]
     md += [f"- `{e['command']}` ({e['machine']}, {e['threads']} threads{', ' + e['date'] if 'date' in e else ''})"
            for e in entries.values()]
-    (RESULTS / "engine_throughput.md").write_text("\n".join(md) + "\n")
+    (results / "engine_throughput.md").write_text("\n".join(md) + "\n")
     return entries
 
 
@@ -353,6 +356,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-mb", type=float, default=512.0)
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--max-tokens-per-step", type=int, default=2048)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (model, KV cache, roof and generate)")
+    ap.add_argument("--results", default=str(RESULTS), help="folder of engine_throughput.json / .md")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of engine + generate runs; medians (min-max)")
@@ -362,7 +367,7 @@ def main() -> None:
         args.num_prompts = min(args.num_prompts, 64)
     torch.set_num_threads(args.threads or os.cpu_count())
     entry = measure(args)
-    entries = write_results(entry)
+    entries = write_results(entry, Path(args.results))
     print(table({k: v for k, v in entries.items() if v is entry}))
 
 

@@ -10,7 +10,8 @@ version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .whl
 rm -f .whl/*.whl
 for name in pyzmq omegaconf fastapi starlette pydantic pydantic_core annotated-types \
-            typing-inspection uvicorn isal gguf msgpack openai jiter sniffio tensordict megatron-core; do
+            typing-inspection uvicorn isal gguf msgpack openai jiter sniffio tensordict megatron-core \
+            pyvers opentelemetry-api typing_extensions httpx2 httpcore2 truststore; do
   if ! v=$(version "$name" 2>/dev/null); then echo "skip $name (not in $PY's environment)"; continue; fi
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
