@@ -133,16 +133,19 @@ class BlockManager:
                     self._free_plain.append(b)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every hash (the KV was computed with other weights); blocks in use stay allocated."""
+        """Forget every hash (the KV was computed with other weights); blocks in use stay allocated.
+        Touches only the blocks that hold a hash (every such block is in `hash_to_block`): a sweep over
+        the whole pool cost 1.1-2.1 s per weight update on an H200, whose 40% share held 26M blocks of a
+        small model (benchmarks/results/gpu_check.md)."""
         for b in list(self._free_cached):
             self._free_plain.append(b)
         self._free_cached.clear()
-        self.hash_to_block.clear()
-        self._pending.clear()
-        for b in range(self.num_blocks):
+        for b in self.hash_to_block.values():
             self.block_hash[b] = None
             self.block_tokens[b] = None
             self.computed[b] = False
+        self.hash_to_block.clear()
+        self._pending.clear()
 
     def _forget(self, b: int) -> None:
         h = self.block_hash[b]

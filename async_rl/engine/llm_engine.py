@@ -52,6 +52,9 @@ class StepOutput:
     output: GenerationOutput | None  # the full result when finished
 
 
+KV_POOL_HEADROOM = 4  # the KV pool holds at most this many times what max_running full contexts need
+
+
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, tokenizer=None,
                  eos_token_ids: Seq[int] = (), policy_version: int = 0):
@@ -65,6 +68,14 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"engine.kv_cache_mb: {config.kv_cache_mb} MB holds no KV block "
                              f"({per_block} bytes each); raise it")
+        # max_running sequences at full context, 4 times over (the rest is prefix cache): more blocks are
+        # never used at once, and each costs host bookkeeping; a GPU share sized for real models held 26M
+        # blocks of the debug model (2 s to start, 1 GB of host lists)
+        most = KV_POOL_HEADROOM * config.max_running * -(-model.config.max_position_embeddings // config.block_size)
+        if num_blocks > most:
+            logger.info("engine: KV pool capped at %d blocks (%d budgeted): %d x max_running %d x blocks of a "
+                        "full context", most, num_blocks, KV_POOL_HEADROOM, config.max_running)
+            num_blocks = most
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.decode_slab)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_tokens_per_step)

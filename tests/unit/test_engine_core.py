@@ -415,3 +415,17 @@ def test_step_profile_counts_every_step_by_threads_and_batch(model, tok):
     assert stats[f"t{threads}_b2_prefill"] == 3 * prompt
     assert stats[f"t{threads}_b2_ctx"] == 3 * sum(prompt + k for k in range(5))
     assert stats[f"t{threads}_b2_s"] > 0
+
+
+def test_the_kv_pool_holds_at_most_four_times_what_max_running_full_contexts_need(model, tok):
+    """A GPU share sized for real models gave the debug model 26M blocks (2 s to start, 1 GB of host
+    lists, benchmarks/results/gpu_check.md): the pool stops at what it can ever use, and still generates."""
+    from async_rl.engine.llm_engine import KV_POOL_HEADROOM
+
+    engine = make_engine(model, tok, kv_cache_mb=4096, max_running=8)  # ~2.6M blocks budgeted
+    most = KV_POOL_HEADROOM * 8 * (256 // 4)
+    assert engine.block_manager.num_blocks == most and engine.runner.kv.shape[2] == most
+    small = make_engine(model, tok, kv_cache_mb=2, max_running=8)  # under the cap: as budgeted
+    assert small.block_manager.num_blocks < most
+    out = run(engine, {"a": (tok.encode("Hello"), SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True))})
+    assert len(out["a"].output_ids) == 8
