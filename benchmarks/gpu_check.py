@@ -14,8 +14,8 @@ time, its figures and the tail of its output:
 4. FSDP2 on one rank over NCCL, with checkpoints;
 5. what must be refused with one line before anything starts (`dist` with both sides on the
    one GPU), and what must run (`dist` from a CUDA trainer to a CPU engine: gloo);
-6. speed on a random-weight Llama-shaped model of ~1.2B parameters (hidden 2048, 16 layers,
-   16 heads, 4 KV heads, vocab 32000) with the project's small tokenizer: the engine benchmark
+6. speed on a random-weight Llama-shaped model of 0.79B parameters (hidden 2048, 16 layers,
+   16 heads, 4 KV heads, vocab 32000, tied embeddings) with the project's small tokenizer: the engine benchmark
    (`benchmarks/engine_throughput.py --device cuda`) and training steps of the PPO trainer on a
    synthetic batch (trained tokens/s, step time, publish time, peak GPU memory).
 
@@ -131,7 +131,7 @@ def refused(out: Path) -> dict:
             "error": errors[0] if errors else tail[-1500:]}
 
 
-# the ~1.2B shape the check measures, and a tiny one of the same family for the CPU smoke test
+# the 0.79B shape the check measures (tied embeddings), and a tiny one of the same family for the CPU smoke test
 SHAPES = {"1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
                      num_key_value_heads=4, vocab_size=32000),
           "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -280,8 +280,8 @@ def main() -> int:
             ("refusals", "dist with both sides on the one GPU is refused", lambda: refused(work)),
             ("refusals", "dist from a CUDA trainer to a CPU engine (gloo)", lambda: pipeline(
                 work, "dist", "engine.device=cpu", steps=4)),
-            ("speed", "PPO trainer steps on a random 1.2B Llama (bf16 autocast)", lambda: trainer_speed(work)),
-            ("speed", "engine on a random 1.2B Llama (bf16)", lambda: engine_speed(work, out))]
+            ("speed", "PPO trainer steps on a random 0.79B Llama (bf16 autocast)", lambda: trainer_speed(work)),
+            ("speed", "engine on a random 0.79B Llama (bf16)", lambda: engine_speed(work, out))]
     for key, name, fn in plan:
         if key in args.skip:
             results.append({"name": name, "status": "skipped", "seconds": 0, "why": "--skip"})
