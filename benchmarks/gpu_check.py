@@ -17,7 +17,10 @@ time, its figures and the tail of its output:
 6. speed on a random-weight Llama-shaped model of 0.79B parameters (hidden 2048, 16 layers,
    16 heads, 4 KV heads, vocab 32000, tied embeddings) with the project's small tokenizer: the engine benchmark
    (`benchmarks/engine_throughput.py --device cuda`) and training steps of the PPO trainer on a
-   synthetic batch (trained tokens/s, step time, publish time, peak GPU memory).
+   synthetic batch (trained tokens/s, step time, publish time, peak GPU memory);
+7. where a decode step of the engine spends its time: 20 steps of 64 sequences on that model under
+   torch.profiler (ops by device and by host time, kernels per step). The debug runs of 3. report
+   the engine's own step times by batch size and the pause / load / continue phases of its updates.
 
 Results: `gpu_check.json` and `gpu_check.md` in `--out` (default benchmarks/results/).
 """
@@ -114,10 +117,67 @@ def pipeline(out: Path, transport: str, *extra: str, steps: int = 20) -> dict:
            "reward_last": mean([x.get("train/reward_mean") for x in m[-k:]]),
            "publish_s_mean": mean([x.get("timing/publish_s") for x in m]),
            "train_s_mean": mean([x.get("timing/train_s") for x in m]),
-           "update_s_mean": mean([x.get("sync/update_s") for x in r])}
+           "update_s_mean": mean([x.get("sync/update_s") for x in r]),
+           **{f"{phase}_s_mean": mean([x.get(f"sync/server_{phase}_s_max") for x in r])
+              for phase in ("pause", "load", "continue")},
+           "engine_step_ms": step_ms(r[-1] if r else {})}
     if rec["status"] != "ok":
         rec["tail"] = tail[-2500:]
     return rec
+
+
+def step_ms(row: dict) -> dict[str, float]:
+    """Mean engine step time in ms by sequences sampled (the engine's own profile, `engine/step_t*_b*`)."""
+    out = {}
+    for key, n in row.items():
+        m = re.fullmatch(r"engine/step_t\d+_b(\d+)_n", key)
+        if m and n:
+            out[f"b{m.group(1)}"] = round(1000 * row[key[:-2] + "_s"] / n, 2)
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0][1:])))
+
+
+def engine_profile(out: Path, shape: str = "1b", device: str = "cuda", requests: int = 64, steps: int = 20,
+                   top: int = 15) -> dict:
+    """Where one decode step of the embedded engine spends its time: `steps` steps of `requests` sequences
+    under torch.profiler, after a warm-up; the ops that take the most device time and host time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from async_rl.config import EngineConfig, ModelConfig
+    from async_rl.engine.llm_engine import LLMEngine
+    from async_rl.models import load_model
+    from async_rl.types import SamplingParams
+
+    path = random_llama(out, shape, device)
+    model = load_model(ModelConfig(name=str(path), dtype="bfloat16" if device.startswith("cuda") else "float32"),
+                       device=device)
+    engine = LLMEngine(model, EngineConfig(kv_cache_mb=1024, max_running=requests, max_tokens_per_step=4096))
+    g = torch.Generator().manual_seed(0)
+    for i in range(requests):
+        prompt = torch.randint(3, SHAPES[shape]["vocab_size"], (64,), generator=g).tolist()
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_new_tokens=10 * steps, temperature=1.0,
+                                                           ignore_eos=True))
+    for _ in range(5):  # prefill and the first decodes: allocations, kernel choices
+        engine.step()
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    ms = 1000 * (time.perf_counter() - t0) / steps
+    table = prof.key_averages()
+    lines = [f"{steps} decode steps of {requests} sequences: {ms:.2f} ms a step (under the profiler)", ""]
+    if cuda:
+        lines += ["by device time:", table.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=48), ""]
+    lines += ["by host time:", table.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)]
+    kernels = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return {"status": "ok", "step_ms": round(ms, 2), "requests": requests,
+            "kernels_per_step": round(kernels / steps, 1) if cuda else None, "table": "\n".join(lines)}
 
 
 def refused(out: Path) -> dict:
@@ -256,7 +316,7 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="where the runs and the random checkpoint go (default: OUT/gpu_check_runs)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds the whole check may take; steps are cut or skipped to end inside it")
-    ap.add_argument("--skip", nargs="*", default=[], help="step names to skip: tests pipeline fsdp refusals speed")
+    ap.add_argument("--skip", nargs="*", default=[], help="step names to skip: tests pipeline fsdp refusals speed profile")
     args = ap.parse_args()
     import torch
 
@@ -281,12 +341,14 @@ def main() -> int:
             ("refusals", "dist from a CUDA trainer to a CPU engine (gloo)", lambda: pipeline(
                 work, "dist", "engine.device=cpu", steps=4)),
             ("speed", "PPO trainer steps on a random 0.79B Llama (bf16 autocast)", lambda: trainer_speed(work)),
-            ("speed", "engine on a random 0.79B Llama (bf16)", lambda: engine_speed(work, out))]
+            ("speed", "engine on a random 0.79B Llama (bf16)", lambda: engine_speed(work, out)),
+            ("profile", "a decode step of the engine under torch.profiler (0.79B, 64 sequences)",
+             lambda: engine_profile(work))]
     for key, name, fn in plan:
         if key in args.skip:
             results.append({"name": name, "status": "skipped", "seconds": 0, "why": "--skip"})
             continue
-        step(name, fn, results, needs_s=90 if key == "speed" else 30)
+        step(name, fn, results, needs_s=90 if key in ("speed", "profile") else 30)
         report(results, info, out)  # after every step: a call cut short still leaves what ran
     return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
 

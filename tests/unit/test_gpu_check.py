@@ -31,3 +31,21 @@ def test_the_trainer_speed_step_trains_and_publishes_a_random_llama(tmp_path):
     assert rec["status"] == "ok" and rec["tokens_per_s"] > 0, rec
     published = list((tmp_path / "publish").rglob("*.safetensors"))
     assert published, "nothing was published"
+
+
+def test_the_profile_step_times_decode_steps_of_a_random_llama(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_check import engine_profile
+
+    rec = engine_profile(tmp_path, shape="tiny", device="cpu", requests=4, steps=3, top=5)
+    assert rec["status"] == "ok" and rec["step_ms"] > 0, rec
+    assert "by host time:" in rec["table"] and "aten::" in rec["table"], rec["table"]
+
+
+def test_the_debug_runs_report_the_engines_step_times_by_batch():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_check import step_ms
+
+    row = {"engine/step_t8_b2_n": 4.0, "engine/step_t8_b2_s": 0.2, "engine/step_t8_b16_n": 2.0,
+           "engine/step_t8_b16_s": 0.05, "engine/step_t8_b4_n": 0.0, "engine/step_t8_b4_s": 0.0, "step": 3}
+    assert step_ms(row) == {"b2": 50.0, "b16": 25.0}
