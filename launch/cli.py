@@ -194,7 +194,7 @@ def entry() -> None:
     """The `async-rl` command: `main`, then out without the interpreter's teardown (async_rl/utils/exits.py)."""
     code = main()
     procs = sys.modules.get("launch.procs")  # imported by the commands that start processes
-    if code == 2 and procs:  # refused or failed: its fork server's imports, if still going, would go on for nothing
+    if procs:  # its children have ended (or never started): the fork server has nothing left to do
         procs.stop_fork_server()
     exit_now(code)
 

@@ -144,6 +144,24 @@ def test_a_refused_run_leaves_nothing_holding_its_output():
         proc.stdout.close()
 
 
+def test_a_finished_run_leaves_nothing_holding_its_output(tmp_path):
+    """A run that ends well stops its children's fork server too. Left to notice its parent gone, the
+    server spent ~1.4 s in an interpreter's teardown (torch, transformers) with the command's stdout
+    open: every caller reading the output, a shell pipe or a test, waited that long after the last line."""
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", DEBUG, f"run_dir={tmp_path}",
+                             "total_steps=1", "log.progress=false"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.wait(240) == 0
+        pipe = os.fstat(proc.stdout.fileno()).st_ino
+        deadline = time.monotonic() + 0.3
+        while (holders := _holders(pipe)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not holders, f"processes still holding the output 0.3 s after the run ended: {holders}"
+    finally:
+        proc.stdout.close()
+
+
 def _holders(inode: int) -> list[str]:
     """Command lines of the processes other than this one with pipe `inode` open."""
     found = []
