@@ -130,34 +130,30 @@ def test_a_refused_run_leaves_nothing_holding_its_output():
     """The launcher starts its children's fork server first thing (launch/procs.py); a run refused after
     that stops it at once. Left alone, it would hold the command's stdout open until its ~5 s of imports
     were done: a shell pipe, or a test reading the output, would wait for them."""
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "rollout", "--config", AGENTIC,
-                             "transport.addr=tcp://127.0.0.1:9", "rollout.agent=nope"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        assert proc.wait(60) == 2
-        pipe = os.fstat(proc.stdout.fileno()).st_ino
-        deadline = time.monotonic() + 1.0
-        while (holders := _holders(pipe)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not holders, f"processes still holding the output: {holders}"
-    finally:
-        proc.stdout.close()
+    _output_released(["rollout", "--config", AGENTIC, "transport.addr=tcp://127.0.0.1:9", "rollout.agent=nope"],
+                     code=2, within_s=1.0, wait_s=60)
 
 
 def test_a_finished_run_leaves_nothing_holding_its_output(tmp_path):
     """A run that ends well stops its children's fork server too. Left to notice its parent gone, the
     server spent ~1.4 s in an interpreter's teardown (torch, transformers) with the command's stdout
     open: every caller reading the output, a shell pipe or a test, waited that long after the last line."""
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", DEBUG, f"run_dir={tmp_path}",
-                             "total_steps=1", "log.progress=false"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    _output_released(["run", "--config", DEBUG, f"run_dir={tmp_path}", "total_steps=1", "log.progress=false"],
+                     code=0, within_s=0.3, wait_s=240)
+
+
+def _output_released(args: list[str], code: int, within_s: float, wait_s: float) -> None:
+    """Run the command with its stdout on a pipe: it exits with `code`, and `within_s` later nothing
+    else holds the pipe open."""
+    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
     try:
-        assert proc.wait(240) == 0
+        assert proc.wait(wait_s) == code
         pipe = os.fstat(proc.stdout.fileno()).st_ino
-        deadline = time.monotonic() + 0.3
+        deadline = time.monotonic() + within_s
         while (holders := _holders(pipe)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not holders, f"processes still holding the output 0.3 s after the run ended: {holders}"
+        assert not holders, f"processes still holding the output {within_s} s after the command ended: {holders}"
     finally:
         proc.stdout.close()
 
