@@ -22,6 +22,7 @@ of the engine phase next to KV budget + model + the process's footprint before l
 
     python benchmarks/engine_throughput.py --quick
     python benchmarks/engine_throughput.py --model smollm2-135m --dtype bfloat16
+    python benchmarks/engine_throughput.py --model CHECKPOINT_DIR --dtype bfloat16 --device cuda --quick
 
 Results accumulate in benchmarks/results/engine_throughput.json (one entry per model and
 dtype); engine_throughput.md is rebuilt from it with the command line of each entry.
@@ -104,6 +105,12 @@ def machine_line() -> str:
             f"fp32, torch {m['torch']}")
 
 
+def sync(model) -> None:
+    """Wait for the work queued on the model's device (CUDA runs asynchronously; a no-op on CPU)."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
 def run_engine(model, cfg: EngineConfig, work, desc: str) -> tuple[float, float, LLMEngine]:
     """-> (wall seconds, process CPU seconds, engine)."""
     engine = LLMEngine(model, cfg)
@@ -135,8 +142,7 @@ def run_hf(model, work, batch_size: int, pad_id: int, desc: str) -> tuple[float,
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
         assert out.shape[1] == width + longest
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    sync(model)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -147,6 +153,7 @@ def weight_update_cost(model, cfg: EngineConfig, work, decode_steps: int = 8) ->
     new_weights = {k: v.clone() for k, v in model.state_dict().items()}  # same values, separate tensors
     t0 = time.perf_counter()
     engine.update_weights(new_weights, version=1)  # the first write into freshly loaded weights pays page faults
+    sync(model)
     first_load_s = time.perf_counter() - t0
     for i, (prompt, new) in enumerate(reqs):
         engine.add_request(f"w{i}", prompt, SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True))
@@ -160,6 +167,7 @@ def weight_update_cost(model, cfg: EngineConfig, work, decode_steps: int = 8) ->
     decode_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     stats = engine.update_weights(new_weights, version=2)
+    sync(model)  # on CUDA the copies are queued: the load ends when they have run
     load_s = time.perf_counter() - t0
     steps = 0
     while engine.scheduler.waiting or any(s.num_computed < len(s) - 1 for s in engine.scheduler.running):
@@ -244,7 +252,8 @@ def measure(args) -> dict:
     shape = max(rounds, key=lambda r: r["roof"])["roof_shape"]
     engine_tps = [useful / r["engine_s"] for r in rounds]
     return {
-        "model": args.model, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "model": args.model, "dtype": args.dtype, "device": args.device, "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
         "num_prompts": len(work), "useful_tokens": useful,
         "prompt_tokens": sum(len(p) for p, _ in work),
         "engine": {"tokens_per_s": spread(engine_tps), "runs_seconds": [r["engine_s"] for r in rounds],
@@ -336,7 +345,9 @@ def write_results(entry: dict, results: Path = RESULTS) -> dict:
     results.mkdir(parents=True, exist_ok=True)
     path = results / "engine_throughput.json"
     entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries[f"{entry['model']}/{entry['dtype']}{'/' + entry['device'] if entry.get('device', 'cpu') != 'cpu' else ''}{'/quick' if '--quick' in entry['command'] else ''}"] = entry
+    device = entry.get("device", "cpu")
+    key = f"{entry['model']}/{entry['dtype']}" + (f"/{device}" if device != "cpu" else "")
+    entries[key + ("/quick" if "--quick" in entry["command"] else "")] = entry
     path.write_text(json.dumps(entries, indent=2) + "\n")
     md = ["# Engine throughput vs HF generate", "",
           "Useful generated tokens/s on a long-tailed workload (temperature 1.0, EOS ignored); "

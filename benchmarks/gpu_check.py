@@ -173,7 +173,8 @@ def engine_profile(out: Path, shape: str = "1b", device: str = "cuda", requests:
     table = prof.key_averages()
     lines = [f"{steps} decode steps of {requests} sequences: {ms:.2f} ms a step (under the profiler)", ""]
     if cuda:
-        lines += ["by device time:", table.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=48), ""]
+        lines += ["by device time:",
+                  table.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=48), ""]
     lines += ["by host time:", table.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)]
     kernels = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
     return {"status": "ok", "step_ms": round(ms, 2), "requests": requests,

@@ -21,7 +21,7 @@ def assert_one_line_error(res: subprocess.CompletedProcess, needle: str) -> None
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1, res.stderr
     assert needle in errors[0], errors[0]
-    assert "Traceback" not in res.stderr
+    assert "Traceback" not in res.stderr, res.stderr  # the whole of it: pytest's diff cuts the trace short
 
 
 @pytest.mark.parametrize("args,needle", [
