@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 
 
 def exit_now(code: int | None) -> None:
     code = 0 if code is None else code
+    if threading.current_thread() is threading.main_thread():
+        # already leaving: a SIGTERM or SIGINT now (a starter stopping its children at the moment one exits)
+        # ends the exit at once. Left to the process's handler it raised KeyboardInterrupt inside an exit
+        # hook, and Python printed "Exception ignored in atexit callback" with a traceback on the stderr
+        # the process shares with the command (seen in make test: launch/procs.py:_interrupt in torch's
+        # library finalizer).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: os._exit(code))
     try:
         threading._shutdown()  # what Py_FinalizeEx runs first (CPython 3.11-3.13)
         atexit._run_exitfuncs()

@@ -25,3 +25,33 @@ def test_exit_now_keeps_output_atexit_hooks_threads_and_the_code(tmp_path):
     assert res.stdout == "buffered, no newline"
     assert (tmp_path / "thread").read_text() == "done"
     assert (tmp_path / "atexit").read_text() == "ran"
+
+
+SIGNALLED = r"""
+import atexit, os, signal, sys, time
+from async_rl.utils.exits import exit_now
+
+def interrupt(signum, frame):  # what launch/procs.py installs in every child
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGTERM, interrupt)
+def slow_hook():
+    print("hook", flush=True)
+    time.sleep(5)
+atexit.register(slow_hook)
+exit_now(3)
+"""
+
+
+def test_a_sigterm_during_the_exit_ends_it_quietly_with_the_code():
+    """A starter stopping its children (SIGTERM) as one of them exits: the exit ends at once, with its own
+    code and nothing on stderr. Before, the child's handler raised KeyboardInterrupt inside an exit hook
+    and Python printed a traceback on the stderr the child shares with the command."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", SIGNALLED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "hook\n"  # inside the exit hook now
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and err == "", (proc.returncode, err)
