@@ -10,6 +10,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -38,6 +39,16 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def synchronizer(device) -> Callable[[], None]:
+    """A call that waits for the work queued on `device` (CUDA runs asynchronously: a clock stopped
+    before it reads launch time); a no-op on CPU."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 def gemm_roof(shapes: list[tuple[int, int, int]], dtype: "torch.dtype | None" = None,
               trial_s: float = 0.25, trials: int = 3, device: str = "cpu") -> tuple[float, str]:
     """The best GEMM FLOP/s this process reaches (its torch threads, `dtype`, fp32 by default) over
@@ -49,7 +60,7 @@ def gemm_roof(shapes: list[tuple[int, int, int]], dtype: "torch.dtype | None" = 
     import torch
 
     dtype = dtype or torch.float32
-    sync = (lambda: torch.cuda.synchronize(device)) if str(device).startswith("cuda") else (lambda: None)
+    sync = synchronizer(device)
     best, name = 0.0, ""
     for m, k, n in shapes:
         a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)

@@ -53,7 +53,7 @@ from async_rl.models import PRINTABLE, load_model, load_tokenizer
 from async_rl.types import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import gemm_roof, machine  # noqa: E402
+from benchmarks.common import gemm_roof, machine, synchronizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -106,12 +106,6 @@ def machine_line() -> str:
             f"fp32, torch {m['torch']}")
 
 
-def sync(model) -> None:
-    """Wait for the work queued on the model's device (CUDA runs asynchronously; a no-op on CPU)."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-
-
 def run_engine(model, cfg: EngineConfig, work, desc: str) -> tuple[float, float, LLMEngine]:
     """-> (wall seconds, process CPU seconds, engine)."""
     engine = LLMEngine(model, cfg)
@@ -143,7 +137,7 @@ def run_hf(model, work, batch_size: int, pad_id: int, desc: str) -> tuple[float,
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
         assert out.shape[1] == width + longest
-    sync(model)
+    synchronizer(model.device)()
     return time.perf_counter() - t0, time.process_time() - c0
 
 
@@ -154,7 +148,7 @@ def weight_update_cost(model, cfg: EngineConfig, work, decode_steps: int = 8) ->
     new_weights = {k: v.clone() for k, v in model.state_dict().items()}  # same values, separate tensors
     t0 = time.perf_counter()
     engine.update_weights(new_weights, version=1)  # the first write into freshly loaded weights pays page faults
-    sync(model)
+    synchronizer(model.device)()
     first_load_s = time.perf_counter() - t0
     for i, (prompt, new) in enumerate(reqs):
         engine.add_request(f"w{i}", prompt, SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True))
@@ -171,7 +165,7 @@ def weight_update_cost(model, cfg: EngineConfig, work, decode_steps: int = 8) ->
     prefill_time(model, cfg, in_flight)
     t0 = time.perf_counter()
     stats = engine.update_weights(new_weights, version=2)
-    sync(model)  # on CUDA the copies are queued: the load ends when they have run
+    synchronizer(model.device)()  # on CUDA the copies are queued: the load ends when they have run
     load_s = time.perf_counter() - t0
     steps = 0
     while engine.scheduler.waiting or any(s.num_computed < len(s) - 1 for s in engine.scheduler.running):

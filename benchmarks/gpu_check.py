@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, command, machine  # noqa: E402
+from benchmarks.common import RESULTS, command, machine, synchronizer  # noqa: E402
 
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
 QUIET = ["log.progress=false", "task.eval_size=16"]
@@ -161,7 +161,7 @@ def engine_profile(out: Path, shape: str = "1b", device: str = "cuda", requests:
     for _ in range(5):  # prefill and the first decodes: allocations, kernel choices
         engine.step()
     cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = synchronizer(device)
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
@@ -223,9 +223,6 @@ def random_llama(out: Path, shape: str = "1b", device: str = "cuda") -> Path:
 
 def engine_speed(out: Path, results: Path) -> dict:
     model = random_llama(out)
-    code, help_text, _ = sh([sys.executable, "benchmarks/engine_throughput.py", "--help"], timeout=120)
-    if "--device" not in help_text:
-        return {"status": "skipped", "why": "benchmarks/engine_throughput.py has no --device option yet"}
     code, tail, _ = sh([sys.executable, "benchmarks/engine_throughput.py", "--model", str(model), "--dtype", "bfloat16",
                         "--device", "cuda", "--quick", "--kv-cache-mb", "4096", "--results", str(results)],
                        timeout=600, env={"TQDM_DISABLE": "1"})
@@ -247,7 +244,7 @@ def trainer_speed(out: Path, steps: int = 3, batch: int = 32, prompt: int = 256,
 
     path = random_llama(out, shape, device)
     cuda = device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = synchronizer(device)
     vocab = SHAPES[shape]["vocab_size"]
     model = load_model(ModelConfig(name=str(path), dtype="float32"), device=device).train()
     cfg = TrainerConfig(batch_size=batch, lr=1e-6, compute_dtype="bfloat16", micro_batch_tokens=8192)
