@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/async-rl run --config configs/smollm2_arith.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
 clean:
 	rm -rf runs

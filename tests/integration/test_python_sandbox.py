@@ -30,7 +30,7 @@ tools:
   - name: python
     config:
       timeout_s: 3
-      cpu_s: 1
+      cpu_s: 2
       memory_mb: 512
       max_processes: 16
       max_output_chars: 600
@@ -218,7 +218,7 @@ def test_yaml_configures_the_limits(env):
     tool, tmp, _ = env
     assert isinstance(tool, PythonTool)
     c = tool.cfg
-    assert (c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_chars) == (3, 1, 512, 16, 600)
+    assert (c.timeout_s, c.cpu_s, c.memory_mb, c.max_processes, c.max_output_chars) == (3, 2, 512, 16, 600)
     assert c.scratch_root == str(tmp / f"scratch_{c.isolation}") and c.protected_dirs == [str(tmp / "run")]
     # 512 MB of address space: 300 MB fits, 700 MB does not
     assert not run(tool, "x = bytearray(300 * 2**20)\nprint('ok')").error
