@@ -21,7 +21,8 @@ demo: $(STAMP)
 	$(BIN)/async-rl run --config configs/smollm2_arith.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m 'not alone' --durations=25
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone --durations=5
 
 clean:
 	rm -rf runs

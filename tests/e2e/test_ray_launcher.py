@@ -24,6 +24,8 @@ from launch.common import free_port
 from launch.local import RunFailed
 from launch.ray_launcher import run_ray
 
+pytestmark = pytest.mark.alone  # make test runs these after the two-worker part, on their own
+
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
