@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 LOCAL_OBJECT_STORE_BYTES = 128 * 2**20  # only configs and addresses go through Ray's object store
 POLL_S = 0.5
+ANSWER_S = 60.0  # one poll of a process's actor waits this long for its answer
+# an actor that is alive but does not answer (its node overloaded: a server loading, imports on busy cores) is
+# waited for this long in all before the run fails; a dead one (ActorDiedError, a lost node) fails it at once
+SILENT_LIMIT_S = 300.0
 STOP_GRACE_S = 20.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -112,6 +116,7 @@ class RayRun:
         self.dead_servers: set[str] = set()
         self.node_ip: dict[str, str] = {}  # process name -> IP of the node its bundle landed on
         self.multi_node = False
+        self.silent_since: dict[str, float] = {}  # process name -> when its actor first left a poll unanswered
 
     # ------------------------------------------------------------------ placement
     def place(self, started_here: bool) -> None:
@@ -211,13 +216,24 @@ class RayRun:
         return f"{name}: its Ray actor died (node lost or killed) (log: {Path(self.cfg.run_dir) / 'logs' / name}.log)"
 
     def _check(self) -> dict[str, int | None]:
-        """Exit codes of the started processes (None = running); raise RunFailed on a failure."""
+        """Exit codes of the started processes (None = running or not heard from); raise RunFailed on a failure."""
         codes: dict[str, int | None] = {}
+        errors = self.ray.exceptions
         for name, host in self.hosts.items():
             try:
-                code, why = self.ray.get(host.poll.remote(), timeout=60)
-            except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+                code, why = self.ray.get(host.poll.remote(), timeout=ANSWER_S)
+            except (errors.ActorUnavailableError, errors.GetTimeoutError) as exc:  # not known dead: wait on
+                now = time.monotonic()
+                silent = now - self.silent_since.setdefault(
+                    name, now - (ANSWER_S if isinstance(exc, errors.GetTimeoutError) else 0.0))
+                if silent >= SILENT_LIMIT_S:
+                    raise RunFailed(f"{name}: its Ray actor has not answered for {silent:.0f} s (its node overloaded "
+                                    f"or unreachable) (log: {Path(self.cfg.run_dir) / 'logs' / name}.log)") from None
+                codes[name] = None
+                continue
+            except errors.RayActorError:
                 raise RunFailed(self._actor_died(name)) from None
+            self.silent_since.pop(name, None)
             codes[name] = code
             if code is None or (code == 0 and name not in self.servers):
                 continue

@@ -22,7 +22,8 @@ from async_rl.config import load_config
 from async_rl.trainer.checkpoint import latest_checkpoint
 from launch.common import free_port
 from launch.local import RunFailed
-from launch.ray_launcher import run_ray
+from launch import ray_launcher
+from launch.ray_launcher import RayRun, run_ray
 
 pytestmark = pytest.mark.alone  # make test runs these after the two-worker part, on their own
 
@@ -189,3 +190,45 @@ def test_two_trainer_ranks_train_then_sigterm_tears_everything_down(tmp_path, cl
     trained = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     assert latest_checkpoint(tmp_path / "checkpoints").name == f"step_{trained:06d}"
     assert free_cpus(cluster) == 2
+
+
+def test_an_actor_slow_to_answer_is_waited_for_a_silent_one_fails_in_time_a_dead_one_at_once(tmp_path, cluster,
+                                                                                             monkeypatch):
+    class _Host:  # defined here, so Ray ships it by value to its workers (the tests are not importable there)
+        """Stands in for a ProcessHost: its poll answers after `slow_s` for the first `slow_calls` calls (a node
+        busy loading a server), then at once."""
+
+        def __init__(self, slow_s: float, slow_calls: int):
+            self.slow_s, self.slow_calls = slow_s, slow_calls
+
+        def poll(self):
+            self.slow_calls -= 1
+            if self.slow_calls >= 0:
+                time.sleep(self.slow_s)
+            return None, ""
+
+    monkeypatch.setattr(ray_launcher, "ANSWER_S", 0.5)
+    monkeypatch.setattr(ray_launcher, "SILENT_LIMIT_S", 3.0)
+    ray.init(address=cluster, log_to_driver=False, logging_level="ERROR", namespace="async_rl_test")
+    try:
+        host = ray.remote(_Host).options(num_cpus=0, max_concurrency=4)
+        run = RayRun(ray, config(tmp_path, f"ray.address={cluster}"), [])
+        run.hosts = {"server": host.remote(1.5, 1)}
+        ray.get(run.hosts["server"].__ray_ready__.remote())
+        assert run._check() == {"server": None}  # one poll unanswered: waited for, not reported dead
+        time.sleep(1.5)
+        assert run._check() == {"server": None} and run.silent_since == {}  # it answered
+        run.hosts = {"trainer": host.remote(5.0, 100)}
+        t0 = time.monotonic()
+        with pytest.raises(RunFailed, match=r"trainer: its Ray actor has not answered for \d+ s"):
+            while time.monotonic() - t0 < 30:
+                run._check()
+        assert time.monotonic() - t0 < 3.0 + 2 * 0.5 + 1.0
+        run.hosts = {"rollout": host.remote(0.0, 0)}
+        ray.kill(run.hosts["rollout"])
+        t0 = time.monotonic()
+        with pytest.raises(RunFailed, match="rollout: its Ray actor died"):
+            while time.monotonic() - t0 < 30:
+                run._check()
+    finally:
+        ray.shutdown()
