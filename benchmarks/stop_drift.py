@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from async_rl.rewards.math import exact_number_reward  # noqa: E402
 from async_rl.tasks.arith import CHAT_QUESTION  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 
@@ -38,11 +39,11 @@ def prompt_ids(tok, a: int, b: int) -> list[int]:
 
 
 def judge(text: str, answer: int) -> tuple[bool, bool]:
-    """(correct by the demo's rule: the last number is the answer, ends right after it: a number or
-    "a + b = c", then the stop token)."""
-    numbers = re.findall(r"-?\d+", text.replace(STOP, ""))
+    """One greedy answer, read two ways: correct (the demo's own reward: its last number is the sum), and
+    ended (a number or "a + b = c", then the stop token, nothing more)."""
+    correct = exact_number_reward(text.replace(STOP, ""), str(answer), "last") == 1.0
     ended = re.fullmatch(r"\s*(\d+\s*\+\s*\d+\s*=\s*)?-?\d+\.?\s*" + re.escape(STOP), text)
-    return bool(numbers) and numbers[-1] == str(answer), ended is not None
+    return correct, ended is not None
 
 
 @torch.no_grad()
