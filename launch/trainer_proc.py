@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from async_rl.config import Config
 from async_rl.trainer.backends import train_staleness
-from async_rl.trainer.checkpoint import prune_checkpoints
+from async_rl.trainer.checkpoint import complete_checkpoints, prune_checkpoints
 from async_rl.trainer.dynamic_sampling import fill_batch
 from async_rl.trainer.trainer import split_by_age
 from async_rl.utils.ledger import Ledger, committed_state
@@ -256,10 +256,7 @@ def _read_run_id(run_dir: Path) -> str:
 def _run_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint of this run (one left in run_dir by an earlier run is not resumed from)."""
     run_id = _read_run_id(run_dir)
-    root = run_dir / "checkpoints"
-    found = sorted((d for d in root.glob("step_*") if (d / "meta.json").is_file()), reverse=True) \
-        if root.is_dir() else []
-    for d in found:
+    for _, d in reversed(complete_checkpoints(run_dir / "checkpoints")):  # not one a killed trainer left half-written
         if json.loads((d / "meta.json").read_text()).get("run_id", run_id) == run_id:
             return d
     return None

@@ -167,14 +167,20 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     return json.loads((p / "meta.json").read_text())
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under `root`, or None."""
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint under `root`, oldest first. A directory still being
+    written (`step_N.tmpPID`, left half-written by a killed trainer) is not one."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    found = [(int(m.group(1)), d) for d in root.iterdir()
-             if (m := _NAME.match(d.name)) and (d / "meta.json").is_file()]
-    return max(found)[1] if found else None
+        return []
+    return sorted((int(m.group(1)), d) for d in root.iterdir()
+                  if (m := _NAME.match(d.name)) and (d / "meta.json").is_file())
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
 
 
 def hf_exporter(model_config: Any, tokenizer: Any) -> Callable[[Path], None]:
@@ -191,12 +197,9 @@ def hf_exporter(model_config: Any, tokenizer: Any) -> Callable[[Path], None]:
 
 def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
     """Delete all but the `keep` newest complete checkpoints under `root` (0 = keep all); return what went."""
-    root = Path(root)
-    if keep <= 0 or not root.is_dir():
+    if keep <= 0:
         return []
-    found = sorted((int(m.group(1)), d) for d in root.iterdir()
-                   if (m := _NAME.match(d.name)) and (d / "meta.json").is_file())
-    gone = [d for _, d in found[:-keep]]
+    gone = [d for _, d in complete_checkpoints(root)[:-keep]]
     for d in gone:
         shutil.rmtree(d, ignore_errors=True)
     return gone
