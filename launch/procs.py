@@ -200,9 +200,13 @@ def child_cause(cfg: Config, name: str, proc: mp.Process) -> str:
     return f.read_text().strip() if f.is_file() else exit_cause(proc.exitcode)
 
 
-def child_error(cfg: Config, name: str, proc: mp.Process) -> str:
-    why = child_cause(cfg, name, proc)
+def named_error(cfg: Config, name: str, why: str) -> str:
+    """The one line a failed process ends a run with: its name, why, and where its log is."""
     return f"{name}: {why} (log: {Path(cfg.run_dir) / 'logs' / (name + '.log')})"
+
+
+def child_error(cfg: Config, name: str, proc: mp.Process) -> str:
+    return named_error(cfg, name, child_cause(cfg, name, proc))
 
 
 def stop_all(procs: list[mp.Process], grace_s: float = 20.0) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from async_rl.config import Config, ConfigError, save_config, to_yaml
 from async_rl.placement import TRAINER, gpus_here
 from launch.local import RunFailed, summary
-from launch.procs import one_line, with_overrides
+from launch.procs import named_error, one_line, with_overrides
 from launch.ray_host import ProcessHost, Slot, cannot_place, plan, plain_resources, total
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ class RayRun:
 
     # ------------------------------------------------------------------ supervision
     def _actor_died(self, name: str) -> str:
-        return f"{name}: its Ray actor died (node lost or killed) (log: {Path(self.cfg.run_dir) / 'logs' / name}.log)"
+        return named_error(self.cfg, name, "its Ray actor died (node lost or killed)")
 
     def _check(self) -> dict[str, int | None]:
         """Exit codes of the started processes (None = running or not heard from); raise RunFailed on a failure."""
@@ -227,8 +227,8 @@ class RayRun:
                 silent = now - self.silent_since.setdefault(
                     name, now - (ANSWER_S if isinstance(exc, errors.GetTimeoutError) else 0.0))
                 if silent >= SILENT_LIMIT_S:
-                    raise RunFailed(f"{name}: its Ray actor has not answered for {silent:.0f} s (its node overloaded "
-                                    f"or unreachable) (log: {Path(self.cfg.run_dir) / 'logs' / name}.log)") from None
+                    raise RunFailed(named_error(self.cfg, name, f"its Ray actor has not answered for {silent:.0f} s "
+                                                                "(its node overloaded or unreachable)")) from None
                 codes[name] = None
                 continue
             except errors.RayActorError:
