@@ -81,6 +81,7 @@ class RolloutController:
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.perf_counter()
         self._seed = cfg.seed
+        self._cpu0 = time.process_time()  # reset when generation begins (run)
         self._skip = PromptSet()  # stream positions not to generate: the trainer holds them, or they are re-sent
         self.tracer = TraceWriter(Path(cfg.run_dir) / "traces.jsonl", cfg.rollout.trace_every) \
             if cfg.rollout.trace_every > 0 else None
@@ -236,6 +237,8 @@ class RolloutController:
                       "rollout/released": self.released,
                       "rollout/weights_superseded": self.superseded,
                       "rollout/in_flight": sum(self.pool.in_flight),
+                      # this process's CPU seconds since generation began (requests, streams, agents, rewards)
+                      "rollout/cpu_s": time.process_time() - self._cpu0,
                       **self.gate.stats(), **self.pool.stats()})
         stats.update(await self._engine_metrics())
         logger.info("loaded weights v%d in %.2fs", version, stats["sync/update_s"])
@@ -285,6 +288,7 @@ class RolloutController:
     async def run(self, seed: int) -> None:
         """Produce groups until the trainer says stop (or the control channel closes)."""
         self._seed = seed
+        self._cpu0 = time.process_time()
         if self.periodic_eval is not None:
             self.periodic_eval.started = time.perf_counter()  # the training clock starts with generation
         if self.metrics is not None:  # when generation began: whole-run throughput is measured from here

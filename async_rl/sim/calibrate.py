@@ -11,6 +11,8 @@
   at the thread count most steps ran with; steps on other thread counts give `scaling` (negative when more
   threads ran slower: oversubscribed cores, as on a machine busy with other work);
 - trainer: `timing/train_s` against `train/batch_tokens` (and `timing/train_threads`, for `scaling`);
+- requests: the controller's and the servers' CPU seconds (`rollout/cpu_s`, `engine/cpu_s_total`) less
+  their steps', per request taken in (`per_request_s`: HTTP, streams, agents, rewards; CPU runs only);
 - sync: the trainer's `timing/publish_s` and the rollout side's `sync/update_s` (median);
 - lengths: every arrival's `train/response_lens` (empirical), `train/prompt_len_mean`;
 - overlap: given sync runs and async ones, speeds come from the sync runs (the sides take turns) and
@@ -60,6 +62,9 @@ def calibrate(*run_dirs: str | Path) -> Profile:
         for key, value in _last_profile(more).items():
             sums[key] += value
     engine, engine_fit = _engine(dict(sums), cfg)
+    request_fit = {}
+    if not cfg.engine.device.startswith("cuda"):
+        engine.per_request_s, request_fit = _per_request([more for _, _, _, more in base], engine.units)
     trainer, trainer_fit = _trainer([r for _, _, rs, _ in base for r in (rs[1:] if len(rs) > 2 else rs)])
     overlap_fit = _overlap(engine, trainer, together)
     updates = [r["sync/update_s"] for _, _, _, more in runs for r in more if "sync/update_s" in r]
@@ -78,7 +83,7 @@ def calibrate(*run_dirs: str | Path) -> Profile:
         engine=engine, trainer=trainer, sync=sync,
         response=LengthDist(kind="empirical", samples=lengths, max=cfg.rollout.max_new_tokens),
         prompt_len=prompt, config=config, measured={**_measured(run, rows, rollout_rows, cfg), **engine_fit,
-                                                    **trainer_fit, **overlap_fit})
+                                                    **request_fit, **trainer_fit, **overlap_fit})
 
 
 def _read(run: Path) -> tuple[Path, Any, list[dict], list[dict]]:
@@ -135,6 +140,25 @@ def _engine(sums: dict[tuple[int, int, str], float], cfg: Any) -> tuple[EnginePr
     return profile, {"engine_fit_error": float(abs(fit.sum() - data[:, 1].sum()) / max(data[:, 1].sum(), 1e-9)),
                      "engine_threads_seen": {int(t): int(sum(r[0] for r in rows)) for t, rows in buckets.items()},
                      "engine_scaling_measured": seen}
+
+
+def _per_request(runs: list[list[dict]], units: int) -> tuple[float, dict]:
+    """The rollout side's CPU work per request besides the engine's steps: the controller's and the
+    servers' CPU seconds since generation began (`rollout/cpu_s`, `engine/cpu_s_total`) less the steps'
+    (seconds x threads), over the requests the servers took, as seconds on `units` cores. 0 when a run
+    does not log them (a run of an older version)."""
+    spent = requests = 0.0
+    for rollout_rows in runs:
+        row = next((r for r in reversed(rollout_rows) if "engine/cpu_s_total" in r and "rollout/cpu_s" in r), None)
+        if row is None or not row.get("engine/requests_total"):
+            continue
+        steps = _last_profile([row])
+        stepping = sum(v * t for (t, _, f), v in steps.items() if f == "s")
+        spent += max(0.0, row["rollout/cpu_s"] + row["engine/cpu_s_total"] - stepping)
+        requests += row["engine/requests_total"]
+    if not requests:
+        return 0.0, {"per_request_measured": False}
+    return spent / requests / units, {"per_request_measured": True, "per_request_cpu_s": spent / requests}
 
 
 def _trainer(rows: list[dict]) -> tuple[TrainerProfile, dict]:

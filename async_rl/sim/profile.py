@@ -35,6 +35,10 @@ class EngineProfile:
     per_seq_s: float = 0.0  # per sequence sampled in the step
     per_ctx_token_s: float = 0.0  # per token of context those sequences attend to (KV read)
     per_prefill_token_s: float = 0.0  # per prompt or KV-recompute token computed in the step
+    # CPU cores only: the rollout side's own work for one request (HTTP, streaming, tokenising, the
+    # agent and the reward) on the cores the server steps on, in seconds at `units`; charged to the
+    # step that takes the request in. 0 on GPUs (the host's cores do it while the device steps).
+    per_request_s: float = 0.0
     units: int = 1  # devices (tensor parallel GPUs) or CPU cores one server runs on at these speeds
     scaling: float = 1.0  # speed on u units instead of `units`: (u / units) ** scaling (CPU cores lent)
     max_running: int = 64  # sequences decoded together (KV capacity at the mean context on a GPU)
@@ -103,7 +107,7 @@ class Profile:
     def validate(self) -> None:
         if self.units not in UNIT_KINDS:
             raise ValueError(f"units: must be one of {', '.join(UNIT_KINDS)}, got {self.units!r}")
-        for key in ("step_base_s", "per_seq_s", "per_ctx_token_s", "per_prefill_token_s"):
+        for key in ("step_base_s", "per_seq_s", "per_ctx_token_s", "per_prefill_token_s", "per_request_s"):
             if getattr(self.engine, key) < 0:
                 raise ValueError(f"engine.{key}: must be >= 0, got {getattr(self.engine, key)}")
         if self.engine.step_s(1, 1, 0) <= 0:

@@ -139,22 +139,26 @@ class SimServer:
             if self.paused:
                 self._set_busy(False)
                 return
+            taken = 0
             while self.waiting and self.running < self.profile.max_running:
                 seq = self.waiting.popleft()
                 seq.state, seq.prefill_left = PREFILL, seq.prompt + seq.generated
                 self.prefill.append(seq)
+                taken += 1
             if not self.prefill and not self.n_dec:
                 self._set_busy(False)
                 return
             self._set_busy(True)
             if self.prefill:
-                self._mixed_step()
+                self._mixed_step(taken)
             else:
                 self._decode_run()
         finally:
             self._in_boundary = False
 
-    def _mixed_step(self) -> None:
+    def _mixed_step(self, taken: int) -> None:
+        """One step of decodes and prompt / recompute chunks; `taken`: the requests it takes in (each costs
+        the profile's per_request_s)."""
         budget = max(1, self.profile.max_tokens_per_step - self.n_dec)
         chunks: list[tuple[Seq, int]] = []
         tokens = completing = ctx = 0
@@ -167,7 +171,9 @@ class SimServer:
             if take == seq.prefill_left:
                 completing += 1
                 ctx += seq.prompt + seq.generated
-        seconds = self.profile.step_s(self.n_dec + completing, self.ctx_sum + ctx, tokens, self.speed())
+        speed = self.speed()
+        seconds = (self.profile.step_s(self.n_dec + completing, self.ctx_sum + ctx, tokens, speed)
+                   + taken * self.profile.per_request_s / speed)
         self._event = self.clock.after(seconds, self._end_mixed, chunks, completing)
 
     def _end_mixed(self, chunks: list[tuple[Seq, int]], completing: int) -> None:

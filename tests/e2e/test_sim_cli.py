@@ -34,7 +34,12 @@ def test_calibration_round_trips_a_run(run_dir, tmp_path):
     result = simulate(profile, sim_config(profile), Placement.pools(1, 1))
     assert len(result.records) == 5
     measured = profile.measured["trained_traj_per_s"]
-    assert measured / 3 < result.traj_per_s < measured * 3, (result.traj_per_s, measured)
+    assert measured / 2 < result.traj_per_s < measured * 2, (result.traj_per_s, measured)
+    # at 6 new tokens a request's HTTP, stream and reward outweigh its steps: a profile without that
+    # cost (calibrated before it was measured) runs well ahead of the run
+    assert profile.measured["per_request_measured"] and profile.engine.per_request_s > 0
+    profile.engine.per_request_s = 0.0
+    assert simulate(profile, sim_config(profile), Placement.pools(1, 1)).traj_per_s > 1.3 * result.traj_per_s
 
 
 def test_sweep_prints_a_table_draws_plots_and_recommends(tmp_path):
@@ -72,4 +77,4 @@ def test_a_bad_profile_names_the_key(tmp_path):
     assert res.returncode == 2 and res.stderr.strip() == (
         "error: engine.warp_speed: unknown key (known: max_running, max_tokens_per_step, overlap_pools, "
         "overlap_shared, per_ctx_token_s, "
-        "per_prefill_token_s, per_seq_s, scaling, step_base_s, units)")
+        "per_prefill_token_s, per_request_s, per_seq_s, scaling, step_base_s, units)")

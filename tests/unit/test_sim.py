@@ -37,6 +37,12 @@ def test_sync_takes_generation_plus_training_every_step():
     assert run(profile(), "async", 0, steps=7).wall_s == pytest.approx(7 * (g + t), rel=1e-9)  # eta 0 = lock step
 
 
+def test_each_request_costs_its_per_request_time_in_the_step_that_takes_it_in():
+    """Sync takes a batch's B requests in its first step: each step then takes G + B r + T."""
+    g, t, r = L * A * B, C * B * (P + L), 2e-4
+    assert run(profile(per_request_s=r), "sync", 0, steps=5).wall_s == pytest.approx(5 * (g + B * r + t), rel=1e-9)
+
+
 @pytest.mark.parametrize("per_token_s", [C, 20 * C])  # generation-bound, then training-bound
 @pytest.mark.parametrize("eta", [1, 2, 4])
 def test_async_on_pools_takes_the_slower_side_per_step(per_token_s, eta):
