@@ -96,6 +96,9 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling for training rollouts
     top_k: int = -1  # top-k for training rollouts (-1 = off)
     max_new_tokens: int = 8  # response length limit
+    # the reward of a response cut at that limit, in place of its score (rewards/shaping.py: a policy paid
+    # for a right last number learns to stop writing; 0 = DAPO's hard overlong punishment); null = scored
+    truncated_reward: float | None = None
     agent: str = "single_turn"  # default agent loop (a sample may name its own)
     max_concurrent: int = 64  # most requests in flight at once
     # a trajectory the trainer would drop (its first token more than max_staleness versions behind the

@@ -23,6 +23,7 @@ from async_rl.agent import as_trajectory, build_agent_context, build_agent_loop,
 from async_rl.agent.trace import TraceWriter
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient, TrajectorySink, WeightReceiver
+from async_rl.rewards.shaping import truncated_reward
 from async_rl.rollout.evaluate import Evaluation
 from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.periodic_eval import PeriodicEval
@@ -124,7 +125,8 @@ class RolloutController:
                                         overload_margin=self.cfg.rollout.sticky_overload_margin)
         agent = build_agent_loop(sample.agent or self.cfg.rollout.agent, client, self.tokenizer,
                                  self.task.reward, self.agent_context)
-        return as_trajectory(await agent.run(sample, params, group_id=group_id), group_id, sample)
+        traj = as_trajectory(await agent.run(sample, params, group_id=group_id), group_id, sample)
+        return truncated_reward(traj, self.cfg.rollout.truncated_reward)
 
     def _restart_stale(self, version: int) -> None:
         """Weights `version` are loaded: a generation that started more than max_staleness versions

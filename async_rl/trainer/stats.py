@@ -99,6 +99,7 @@ def arrival_stats(trajs: list[Trajectory], kept: list[Trajectory]) -> dict[str, 
         "train/reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
         "train/reward_std": float(rewards.std()) if len(trajs) else 0.0,
         "train/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
+        "train/truncated_frac": float(np.mean([t.finish_reason == "length" for t in trajs])) if trajs else 0.0,
         "train/response_lens": lengths,  # every arrival's length: the simulator's length distribution
         "train/prompt_len_mean": float(np.mean([len(t.prompt_ids) for t in trajs])) if trajs else 0.0,
         "train/batch_tokens": float(sum(len(t.prompt_ids) + len(t.response_ids) for t in kept)),
