@@ -9,6 +9,7 @@ dotted key, so the command line can print one clear line. The top-level keys `mo
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -367,6 +368,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("trainer.stale_tokens=mask trains what a generation sampled within the bound after it ran "
                           "past it, so it needs rollout.restart_stale=false (restarting such a generation leaves "
                           "nothing to mask)")
+    if cfg.rollout.truncated_reward is not None and not math.isfinite(cfg.rollout.truncated_reward):
+        raise ConfigError(f"rollout.truncated_reward: must be a finite number or null, got {cfg.rollout.truncated_reward}")
     positive = ["total_steps", "rollout.group_size", "rollout.max_new_tokens", "rollout.max_concurrent",
                 "trainer.batch_size", "trainer.minibatches", "trainer.micro_batch_tokens",
                 "engine.max_running", "engine.max_tokens_per_step", "engine.block_size",

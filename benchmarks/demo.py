@@ -87,9 +87,14 @@ def main() -> None:
         run = one_run(ROOT / "runs" / f"{name}_{k}", args.overrides, env)
         runs.append(run)
         print(f"run {k}: {json.dumps(run)}", flush=True)
+    print(report(name, runs, args.overrides).read_text())
+
+
+def report(name: str, runs: list[dict], overrides: list[str]) -> Path:
+    """Write benchmarks/results/NAME.md and .json from the runs' records (the `run k: {...}` lines)."""
     targets = sorted(runs[0]["time_to"])
-    lines = [f"`make demo` = `async-rl run --config {CONFIG}`{' ' + ' '.join(args.overrides) if args.overrides else ''}"
-             f", {args.runs} runs one after the other; median (min-max).", "",
+    lines = [f"`make demo` = `async-rl run --config {CONFIG}`{' ' + ' '.join(overrides) if overrides else ''}"
+             f", {len(runs)} runs one after the other; median (min-max).", "",
              f"{runs[0]['dtype_line']}", "",
              "| make demo wall | steps | training wall clock | held-out accuracy before -> after | "
              + " | ".join(f"time to {t}" for t in targets) + " |",
@@ -101,8 +106,7 @@ def main() -> None:
              + " | ".join(summary([r['time_to'][t] for r in runs], " s") for t in targets) + " |",
              "", "Runs:", ""]
     lines += [f"- {json.dumps(r)}" for r in runs]
-    path = write_results(name, "\n".join(lines), {"runs": runs})
-    print(path.read_text())
+    return write_results(name, "\n".join(lines), {"runs": runs})
 
 
 if __name__ == "__main__":

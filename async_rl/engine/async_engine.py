@@ -65,7 +65,6 @@ class AsyncEngine:
         self.engine = engine
         self.cores = cores  # a utils.cores.CoreShare when this process shares its machine's cores
         self._idle_s = 0.0  # seconds the loop waited with nothing to step
-        self._cpu0: float | None = None  # this process's CPU seconds when the first request came
         self.weight_version = engine.policy_version
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future | None, loop | None)
         self._wake = threading.Event()
@@ -249,8 +248,6 @@ class AsyncEngine:
         handle = RequestHandle(lambda: self._post(lambda: self._abort(request_id)), request_id, len(prompt))
 
         def add() -> None:
-            if self._cpu0 is None:
-                self._cpu0 = time.process_time()
             self.engine.add_request(request_id, prompt, params)
             self._streams[request_id] = Stream(loop, handle._queue, len(prompt), params.top_logprobs > 0,
                                                 self._counts["weight_updates"])
@@ -342,9 +339,6 @@ class AsyncEngine:
                 "engine/weight_version": float(self.weight_version),
                 "engine/paused": float(self._paused),
                 "engine/idle_s_total": self._idle_s,
-                # CPU seconds of this process (steps, HTTP, streams) since the first request: what it
-                # spends besides its steps is a cost per request (sim calibrate reads it)
-                "engine/cpu_s_total": time.process_time() - self._cpu0 if self._cpu0 is not None else 0.0,
                 "engine/in_flight": float(len(self._streams)),
                 "engine/requests_total": float(c["requests"]),
                 "engine/finished_total": float(c["finished"]),

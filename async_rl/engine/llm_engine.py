@@ -316,6 +316,7 @@ class LLMEngine:
             "engine/tokens_per_s": sum(n for _, n in self._recent) / secs if secs > 0 else 0.0,
             "engine/preemptions": float(sched.num_preemptions),
             "engine/recomputed_tokens": float(self._recomputed_tokens),
+            "engine/cuda_servers": float(self.runner.device.type == "cuda"),  # summed over a pool: its GPU servers
             **({"engine/slab_rows_copied": float(slab.rows_copied), "engine/slab_pool_steps": float(slab.pool_steps)}
                if (slab := self.runner.slab) is not None else {}),
             **{f"engine/step_t{t}_b{b}_{field}": value for (t, b), row in self._profile.items()

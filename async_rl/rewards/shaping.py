@@ -14,8 +14,9 @@ from async_rl.types import Trajectory
 
 
 def truncated_reward(traj: Trajectory, reward: float | None) -> Trajectory:
-    """`traj` paid `reward` in place of its score when it was cut at the length limit (the score kept in
-    info["score"]); `traj` itself when `reward` is None or the response ended by itself."""
-    if reward is None or traj.finish_reason != "length":
+    """`traj` paid `reward` in place of its score when the model's own tokens were cut at the length limit
+    (the score kept in info["score"]); `traj` itself when `reward` is None, the response ended by itself,
+    or what was cut is a tool's or a user's reply (its last token not sampled by the model)."""
+    if reward is None or traj.finish_reason != "length" or not len(traj.loss_mask) or not traj.loss_mask[-1]:
         return traj
     return dataclasses.replace(traj, reward=float(reward), info={**traj.info, "score": traj.reward})

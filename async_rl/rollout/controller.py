@@ -83,6 +83,7 @@ class RolloutController:
         self._t0 = time.perf_counter()
         self._seed = cfg.seed
         self._cpu0 = time.process_time()  # reset when generation begins (run)
+        self._update_cpu = 0.0  # of it, spent in weight updates
         self._skip = PromptSet()  # stream positions not to generate: the trainer holds them, or they are re-sent
         self.tracer = TraceWriter(Path(cfg.run_dir) / "traces.jsonl", cfg.rollout.trace_every) \
             if cfg.rollout.trace_every > 0 else None
@@ -224,12 +225,14 @@ class RolloutController:
                 pass  # and pruned since: nothing to release
             logger.debug("weights v%d already loaded: replay ignored", version)
             return
+        cpu0 = time.process_time()
         try:
             stats = await update_servers(self.pool, self.weights, msg, self.cfg.weight_sync.deadline_s)
         except WeightsSuperseded as exc:  # the trainer ran ahead; its newer version's message follows
             self.superseded += 1
             logger.warning("%s", exc)
             return
+        self._update_cpu += time.process_time() - cpu0
         self.gate.set_version(version)
         self._restart_stale(version)
         if self.periodic_eval is not None:
@@ -239,8 +242,9 @@ class RolloutController:
                       "rollout/released": self.released,
                       "rollout/weights_superseded": self.superseded,
                       "rollout/in_flight": sum(self.pool.in_flight),
-                      # this process's CPU seconds since generation began (requests, streams, agents, rewards)
-                      "rollout/cpu_s": time.process_time() - self._cpu0,
+                      # this process's CPU seconds since generation began besides weight updates (requests,
+                      # streams, agents, rewards: sim calibrate's per-request cost)
+                      "rollout/cpu_s": time.process_time() - self._cpu0 - self._update_cpu,
                       **self.gate.stats(), **self.pool.stats()})
         stats.update(await self._engine_metrics())
         logger.info("loaded weights v%d in %.2fs", version, stats["sync/update_s"])
@@ -290,7 +294,7 @@ class RolloutController:
     async def run(self, seed: int) -> None:
         """Produce groups until the trainer says stop (or the control channel closes)."""
         self._seed = seed
-        self._cpu0 = time.process_time()
+        self._cpu0, self._update_cpu = time.process_time(), 0.0
         if self.periodic_eval is not None:
             self.periodic_eval.started = time.perf_counter()  # the training clock starts with generation
         if self.metrics is not None:  # when generation began: whole-run throughput is measured from here

@@ -11,8 +11,9 @@
   at the thread count most steps ran with; steps on other thread counts give `scaling` (negative when more
   threads ran slower: oversubscribed cores, as on a machine busy with other work);
 - trainer: `timing/train_s` against `train/batch_tokens` (and `timing/train_threads`, for `scaling`);
-- requests: the controller's and the servers' CPU seconds (`rollout/cpu_s`, `engine/cpu_s_total`) less
-  their steps', per request taken in (`per_request_s`: HTTP, streams, agents, rewards; CPU runs only);
+- requests: the controller's CPU seconds besides weight updates (`rollout/cpu_s`) per request the servers
+  took, between the first and the last logged update (`per_request_s`: HTTP, streams, agents, rewards;
+  CPU runs only);
 - sync: the trainer's `timing/publish_s` and the rollout side's `sync/update_s` (median);
 - lengths: every arrival's `train/response_lens` (empirical), `train/prompt_len_mean`;
 - overlap: given sync runs and async ones, speeds come from the sync runs (the sides take turns) and
@@ -62,9 +63,10 @@ def calibrate(*run_dirs: str | Path) -> Profile:
         for key, value in _last_profile(more).items():
             sums[key] += value
     engine, engine_fit = _engine(dict(sums), cfg)
+    on_gpu = _on_gpu(cfg, rollout_rows)
     request_fit = {}
-    if not cfg.engine.device.startswith("cuda"):
-        engine.per_request_s, request_fit = _per_request([more for _, _, _, more in base], engine.units)
+    if not on_gpu:
+        engine.per_request_s, request_fit = _per_request([more for _, _, _, more in base])
     trainer, trainer_fit = _trainer([r for _, _, rs, _ in base for r in (rs[1:] if len(rs) > 2 else rs)])
     overlap_fit = _overlap(engine, trainer, together)
     updates = [r["sync/update_s"] for _, _, _, more in runs for r in more if "sync/update_s" in r]
@@ -76,7 +78,7 @@ def calibrate(*run_dirs: str | Path) -> Profile:
     config = {key: _get(cfg, key) for key in CONFIG_KEYS}
     return Profile(
         name=f"calibrated:{'+'.join(r[0].name for r in runs)}",
-        units="gpu" if cfg.engine.device.startswith("cuda") else "core",
+        units="gpu" if on_gpu else "core",
         sources=[f"async-rl sim calibrate {r}: {len(rs)} train steps, "
                  f"{int(sum(v for k, v in _last_profile(more).items() if k[2] == 'n'))} engine steps"
                  for r, _, rs, more in runs],
@@ -142,23 +144,29 @@ def _engine(sums: dict[tuple[int, int, str], float], cfg: Any) -> tuple[EnginePr
                      "engine_scaling_measured": seen}
 
 
-def _per_request(runs: list[list[dict]], units: int) -> tuple[float, dict]:
-    """The rollout side's CPU work per request besides the engine's steps: the controller's and the
-    servers' CPU seconds since generation began (`rollout/cpu_s`, `engine/cpu_s_total`) less the steps'
-    (seconds x threads), over the requests the servers took, as seconds on `units` cores. 0 when a run
-    does not log them (a run of an older version)."""
+def _on_gpu(cfg: Any, rollout_rows: list[dict]) -> bool:
+    """The run's servers stepped on GPUs (configured so, or `device: auto` that found one)."""
+    return cfg.engine.device.startswith("cuda") or any(r.get("engine/cuda_servers") for r in rollout_rows)
+
+
+def _per_request(runs: list[list[dict]]) -> tuple[float, dict]:
+    """The rollout controller's CPU seconds per request (`rollout/cpu_s`, which leaves out its weight
+    updates, over the servers' `engine/requests_total`) between the first and the last update a run logs:
+    after the evaluation before training and the start-up. Single-threaded Python: seconds of one core.
+    0 when no run logs them (a run of an older version); a run whose counters went back (a server
+    restarted) is left out. The servers' own HTTP work stays in their step and idle times."""
     spent = requests = 0.0
     for rollout_rows in runs:
-        row = next((r for r in reversed(rollout_rows) if "engine/cpu_s_total" in r and "rollout/cpu_s" in r), None)
-        if row is None or not row.get("engine/requests_total"):
+        rows = [r for r in rollout_rows if "rollout/cpu_s" in r and "engine/requests_total" in r]
+        if len(rows) < 2:
             continue
-        steps = _last_profile([row])
-        stepping = sum(v * t for (t, _, f), v in steps.items() if f == "s")
-        spent += max(0.0, row["rollout/cpu_s"] + row["engine/cpu_s_total"] - stepping)
-        requests += row["engine/requests_total"]
+        took = rows[-1]["engine/requests_total"] - rows[0]["engine/requests_total"]
+        cpu = rows[-1]["rollout/cpu_s"] - rows[0]["rollout/cpu_s"]
+        if took > 0 and cpu >= 0:
+            spent, requests = spent + cpu, requests + took
     if not requests:
         return 0.0, {"per_request_measured": False}
-    return spent / requests / units, {"per_request_measured": True, "per_request_cpu_s": spent / requests}
+    return spent / requests, {"per_request_measured": True}
 
 
 def _trainer(rows: list[dict]) -> tuple[TrainerProfile, dict]:

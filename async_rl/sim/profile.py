@@ -36,8 +36,11 @@ class EngineProfile:
     per_ctx_token_s: float = 0.0  # per token of context those sequences attend to (KV read)
     per_prefill_token_s: float = 0.0  # per prompt or KV-recompute token computed in the step
     # CPU cores only: the rollout side's own work for one request (HTTP, streaming, tokenising, the
-    # agent and the reward) on the cores the server steps on, in seconds at `units`; charged to the
-    # step that takes the request in. 0 on GPUs (the host's cores do it while the device steps).
+    # agent and the reward), seconds of one core (single-threaded Python: not scaled by `speed`),
+    # charged to the step of the server that takes the request in, as on a run whose controller shares
+    # the servers' cores. One controller feeding many servers is a serial cost this spreads over them:
+    # a sweep over more servers than the calibration run understates it. 0 on GPUs (the host's cores
+    # do it while the device steps).
     per_request_s: float = 0.0
     units: int = 1  # devices (tensor parallel GPUs) or CPU cores one server runs on at these speeds
     scaling: float = 1.0  # speed on u units instead of `units`: (u / units) ** scaling (CPU cores lent)

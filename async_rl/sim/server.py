@@ -171,9 +171,8 @@ class SimServer:
             if take == seq.prefill_left:
                 completing += 1
                 ctx += seq.prompt + seq.generated
-        speed = self.speed()
-        seconds = (self.profile.step_s(self.n_dec + completing, self.ctx_sum + ctx, tokens, speed)
-                   + taken * self.profile.per_request_s / speed)
+        seconds = (self.profile.step_s(self.n_dec + completing, self.ctx_sum + ctx, tokens, self.speed())
+                   + taken * self.profile.per_request_s)  # Python's work: one core whatever the server has
         self._event = self.clock.after(seconds, self._end_mixed, chunks, completing)
 
     def _end_mixed(self, chunks: list[tuple[Seq, int]], completing: int) -> None:

@@ -95,16 +95,3 @@ def test_without_restart_the_stale_ones_run_to_their_end(setup):
     assert controller.restarted_stale == 0
     assert any(version - t.oldest_version() > ETA for version, group in pushed for t in group)
 
-
-@pytest.mark.parametrize("truncated", [None, -1.0])
-def test_a_response_cut_at_the_length_limit_gets_the_truncated_reward(setup, truncated):
-    """rollout.truncated_reward (rewards/shaping.py), applied by the controller to what any agent loop
-    returns: every response here is cut at LENGTH tokens, so each is paid -1 and keeps its score in
-    info["score"]; unset, each keeps its score (0 or 1)."""
-    _, pushed = _run(setup, restart=True, updates=0, truncated_reward=truncated)
-    trajs = [t for _, group in pushed for t in group]
-    assert trajs and all(t.finish_reason == "length" for t in trajs)
-    if truncated is None:
-        assert all(t.reward in (0.0, 1.0) and "score" not in t.info for t in trajs)
-    else:
-        assert all(t.reward == truncated and t.info["score"] in (0.0, 1.0) for t in trajs)

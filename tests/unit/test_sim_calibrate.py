@@ -50,22 +50,26 @@ def test_calibration_recovers_the_speeds_a_run_was_written_with(tmp_path):
     assert profile.measured["trained_traj_per_s"] == pytest.approx(32 / (170.0 - 99.0))
 
 
-def test_the_cpu_a_request_costs_besides_the_steps_is_per_request_s(tmp_path):
-    """The controller's and the servers' CPU seconds less the steps' (seconds x threads), per request,
-    on the engine's units; a run that does not log them leaves it 0."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_controllers_cpu_per_request_between_updates_is_per_request_s(tmp_path, threads):
+    """Between the first and the last logged update (not the evaluation and start-up before): the
+    controller's CPU seconds per request, on one core whatever the engine's threads; a run that does not
+    log them, or whose request count went back (a server restarted), leaves it 0."""
     save_config(load_config(None, ["mode=sync", "trainer.batch_size=4", "rollout.group_size=2"]), tmp_path)
     rows = [{"step": s, "time": 100.0 + s, "train/batch_tokens": 400, "timing/train_s": 0.5,
              "train/num_trajectories": 4, "train/response_lens": [2, 2, 2, 2]} for s in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    engine = {**_engine_row(1), **_engine_row(2)}
-    stepping = sum(v * int(k.split("_t")[1].split("_")[0]) for k, v in engine.items() if k.endswith("_s"))
-    cpu = {"engine/cpu_s_total": stepping + 3.0, "rollout/cpu_s": 2.0, "engine/requests_total": 500.0}
-    for logged, expected in ((cpu, 5.0 / 500), ({}, 0.0)):
-        rollout = [{"time": 99.0, "rollout/generation_started": 1.0}, {"time": 150.0, **engine, **logged}]
+    engine = _engine_row(threads)
+    first = {"rollout/cpu_s": 30.0, "engine/requests_total": 100.0}  # 100 requests of evaluation, start-up
+    for last, expected in (({"rollout/cpu_s": 32.5, "engine/requests_total": 600.0}, 2.5 / 500),
+                           ({}, 0.0), ({"rollout/cpu_s": 31.0, "engine/requests_total": 50.0}, 0.0)):
+        rollout = [{"time": 99.0, "rollout/generation_started": 1.0}, {"time": 150.0, **engine, **first},
+                   {"time": 180.0, **engine, **(last or first)}]
         (tmp_path / "rollout_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rollout))
         profile = calibrate(tmp_path)
-        assert profile.engine.units == 1 and profile.engine.per_request_s == pytest.approx(expected, rel=1e-9)
-        assert profile.measured["per_request_measured"] == bool(logged)
+        assert profile.engine.units == threads
+        assert profile.engine.per_request_s == pytest.approx(expected, rel=1e-9)
+        assert profile.measured["per_request_measured"] == (expected > 0)
 
 
 def test_an_async_run_beside_a_sync_one_measures_how_much_each_side_slows_the_other(tmp_path):
