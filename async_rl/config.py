@@ -164,6 +164,11 @@ class TrainerConfig:
     pack_sequences: bool | None = None
     batch_size: int = 32  # B: trajectories per train step (a multiple of rollout.group_size)
     lr: float = 1e-3  # AdamW learning rate
+    # its schedule over the train steps (trainer/lr_schedule.py LR_SCHEDULES): constant | linear | cosine, the
+    # decays reaching 0 after lr_decay_steps (0 = total_steps), after lr_warmup_steps of linear ramp
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max gradient norm (0 = off)
     eps_clip: float = 0.2  # PPO clip range
@@ -388,6 +393,7 @@ def validate(cfg: Config) -> None:
     for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
                      ("trainer.micro_batch_overhead_tokens", 0), ("trainer.checkpoint_every", 0),
                      ("trainer.loss_agg_tokens", 0), ("trainer.kl_coef", 0),
+                     ("trainer.lr_warmup_steps", 0), ("trainer.lr_decay_steps", 0),
                      ("trainer.keep_checkpoints", 0), ("rollout.fill_ramp", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")

@@ -41,6 +41,7 @@ from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, trained_tokens
 from async_rl.trainer.logprobs import packing_error, token_logprobs
 from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
+from async_rl.trainer.lr_schedule import get_lr_schedule
 from async_rl.trainer.plan import Minibatch, Share, plan_minibatch, score_mask
 from async_rl.trainer.stats import StatsAccumulator, arrival_stats, staleness_stats, version_stats
 from async_rl.types import STALE_MASKED, Trajectory
@@ -106,6 +107,7 @@ class PPOTrainer:
         self.loss_fn = get_loss(loss or cfg.loss)
         self.advantage_fn = get_advantage(cfg.advantage)
         self.loss_agg = get_loss_agg(cfg.loss_agg)
+        self.lr_schedule = get_lr_schedule(cfg.lr_schedule)
         self.device = next(model.parameters()).device
         self.compute_dtype = resolve_dtype(cfg.compute_dtype, self.device).dtype  # autocast dtype
         # pi_ref of trainer.kl_coef: the weights this trainer starts from (a resume loads into `model` only)
@@ -204,6 +206,9 @@ class PPOTrainer:
         ref = self._ref_logprobs(shares) if self.ref_model is not None else None
         acc = StatsAccumulator()
         steps = skipped = 0
+        lr = self.cfg.lr * self.lr_schedule(self.policy_version, self.cfg.lr_warmup_steps, self.cfg.lr_decay_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.model.train()
         try:
             for m, share in enumerate(shares):
@@ -226,7 +231,7 @@ class PPOTrainer:
         finally:
             self.model.eval()
         stats = self._stats_result(acc)
-        stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped)})
+        stats.update({"train/optimizer_steps": float(steps), "train/skipped_nonfinite": float(skipped), "train/lr": lr})
         return stats
 
     def _accumulate(self, batch: Batch, tokens: int, prox: torch.Tensor | None, ref: torch.Tensor | None,

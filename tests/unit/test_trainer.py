@@ -430,3 +430,19 @@ def test_checkpoint_round_trip_and_latest(tok, tmp_path):
         load_checkpoint(out, copy.deepcopy(fresh), fresh_trainer.optimizer)
     with pytest.raises(FileNotFoundError, match="meta.json"):
         load_checkpoint(tmp_path, fresh)
+
+
+def test_the_lr_schedule_sets_each_steps_rate_and_a_decay_ends_at_zero(tok):
+    """linear over 3 steps after 1 of warm-up: 1/2, 1, 1/2, 0, 0 of trainer.lr; at 0 the weights stay."""
+    model = _model(tok)
+    cfg = TrainerConfig(compute_dtype="float32", lr=1e-2, lr_schedule="linear", lr_warmup_steps=1, lr_decay_steps=3)
+    trainer = PPOTrainer(model, cfg, temperature=1.0, max_staleness=1, seed=0)
+    lrs = []
+    for step in range(5):
+        before = _params(model)
+        lrs.append(trainer.train_step(_good_bad_groups(tok, model, version=trainer.policy_version))["train/lr"])
+        moved = any(not torch.equal(before[k], v) for k, v in _params(model).items())
+        assert moved == (lrs[-1] > 0), (step, lrs)
+    assert lrs == pytest.approx([5e-3, 1e-2, 5e-3, 0.0, 0.0])
+    with pytest.raises(ValueError, match="trainer.lr_schedule: unknown schedule 'step'"):
+        PPOTrainer(model, dataclasses.replace(cfg, lr_schedule="step"), temperature=1.0, max_staleness=1, seed=0)

@@ -84,8 +84,9 @@ def train_staleness(cfg: Config) -> int:
 
 def trainer_config(cfg: Config) -> TrainerConfig:
     """`cfg.trainer` with what it takes from the rest of the config filled in: loss_agg_tokens 0 is
-    the generation budget, rollout.max_new_tokens."""
-    return dataclasses.replace(cfg.trainer, loss_agg_tokens=cfg.trainer.loss_agg_tokens or cfg.rollout.max_new_tokens)
+    the generation budget, rollout.max_new_tokens; lr_decay_steps 0 is the run's total_steps."""
+    return dataclasses.replace(cfg.trainer, loss_agg_tokens=cfg.trainer.loss_agg_tokens or cfg.rollout.max_new_tokens,
+                               lr_decay_steps=cfg.trainer.lr_decay_steps or cfg.total_steps)
 
 
 def check_single(cfg: Config) -> None:
