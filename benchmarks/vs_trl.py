@@ -140,11 +140,14 @@ def trl_worker(out: Path, steps: int, eval_size: int, settings: dict, seed: int 
                 self._eval(state.global_step)
 
     clock = Clock()
+    if cfg.trainer.lr_decay_steps not in (0, steps):
+        raise ValueError("trainer.lr_decay_steps: TRL decays over its max_steps; leave it 0 for a comparison")
     args = GRPOConfig(
         output_dir=str(out.parent / "trl_out"), max_steps=steps, per_device_train_batch_size=cfg.trainer.batch_size,
         num_generations=cfg.rollout.group_size, steps_per_generation=1, gradient_accumulation_steps=1,
         max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-        learning_rate=cfg.trainer.lr, lr_scheduler_type="constant", weight_decay=cfg.trainer.weight_decay,
+        learning_rate=cfg.trainer.lr, lr_scheduler_type=_trl_schedule(cfg.trainer),
+        warmup_steps=cfg.trainer.lr_warmup_steps, weight_decay=cfg.trainer.weight_decay,
         max_grad_norm=cfg.trainer.grad_clip, beta=0.0, epsilon=cfg.trainer.eps_clip, shuffle_dataset=False,
         use_cpu=True, bf16=False, save_strategy="no", report_to="none", logging_steps=1, seed=cfg.seed,
         disable_tqdm=True, optim="adamw_torch")
@@ -222,6 +225,13 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _trl_schedule(trainer) -> str:
+    """transformers' scheduler name for async_rl's trainer.lr_schedule (both decay to 0 over the steps)."""
+    if trainer.lr_schedule == "constant":
+        return "constant_with_warmup" if trainer.lr_warmup_steps else "constant"
+    return trainer.lr_schedule  # linear, cosine: the same names and shapes in transformers
 
 
 def main() -> None:
