@@ -232,7 +232,8 @@ class RolloutController:
             self.superseded += 1
             logger.warning("%s", exc)
             return
-        self._update_cpu += time.process_time() - cpu0
+        finally:
+            self._update_cpu += time.process_time() - cpu0
         self.gate.set_version(version)
         self._restart_stale(version)
         if self.periodic_eval is not None:
