@@ -231,7 +231,9 @@ def _trl_schedule(trainer) -> str:
     """transformers' scheduler name for async_rl's trainer.lr_schedule (both decay to 0 over the steps)."""
     if trainer.lr_schedule == "constant":
         return "constant_with_warmup" if trainer.lr_warmup_steps else "constant"
-    return trainer.lr_schedule  # linear, cosine: the same names and shapes in transformers
+    # linear, cosine: the same names and decay shapes in transformers (its warm-up ramps from 0, ours from
+    # 1/(warmup+1): the same only without warm-up)
+    return trainer.lr_schedule
 
 
 def main() -> None:
