@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from async_rl.engine import cpu_gemm
 from async_rl.engine.decode_slab import DecodeSlab, TierStep
 from async_rl.engine.scheduler import ScheduledChunk
 
@@ -139,10 +140,11 @@ class _Linear:
     some have a bias and some not run one by one. With `pack`, the weight is also held pre-packed for
     oneDNN, packed again whenever a parameter changes (in place too: its version counter moves)."""
 
-    def __init__(self, linears: list[torch.nn.Module], pack: bool = False):
+    def __init__(self, linears: list[torch.nn.Module], pack: bool = False, small=None):
         self.linears = linears
         self.sizes = [m.weight.shape[0] for m in linears]
         self.pack = pack
+        self.small = small  # GEMM of steps of <= cpu_gemm.MAX_ROWS rows (async_rl/engine/cpu_gemm.py); None: torch's
         self.state: list[tuple[int, int]] = []
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
@@ -164,6 +166,8 @@ class _Linear:
             self._lay_out()  # first use, a weight loaded, a parameter's memory replaced, a bias added or removed
         if self.weight is None:
             return None
+        if self.small is not None and h.shape[0] <= cpu_gemm.MAX_ROWS:
+            return self.small(h, self.weight, self.bias)
         if self.packed is not None and (h.shape[0] >= PACKED_MIN_ROWS or h.dtype != torch.float32):
             return torch.ops.mkldnn._linear_pointwise(h, self.packed, self.bias, "none", [], "")
         return F.linear(h, self.weight, self.bias)
@@ -189,7 +193,8 @@ class _Linear:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, decode_slab: bool = True):
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, decode_slab: bool = True,
+                 small_gemm: str = "auto"):
         check_architecture(model)
         self.model = model
         cfg = model.config
@@ -211,11 +216,12 @@ class ModelRunner:
         self.kv = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
                               dtype=self.dtype, device=self.device)
         layers, pack = model.model.layers, _packs(self.device, self.dtype)
-        self.qkv = [_Linear([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj], pack) for m in layers]
-        self.o_proj = [_Linear([m.self_attn.o_proj], pack) for m in layers]
-        self.gate_up = [_Linear([m.mlp.gate_proj, m.mlp.up_proj], pack) for m in layers]
-        self.down = [_Linear([m.mlp.down_proj], pack) for m in layers]
-        self.lm_head = _Linear([model.lm_head], pack)
+        small = cpu_gemm.small_gemm(small_gemm, self.device, self.dtype)
+        self.qkv = [_Linear([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj], pack, small) for m in layers]
+        self.o_proj = [_Linear([m.self_attn.o_proj], pack, small) for m in layers]
+        self.gate_up = [_Linear([m.mlp.gate_proj, m.mlp.up_proj], pack, small) for m in layers]
+        self.down = [_Linear([m.mlp.down_proj], pack, small) for m in layers]
+        self.lm_head = _Linear([model.lm_head], pack, small)
         # decoding sequences' KV in rows, at most as large as the pool (async_rl/engine/decode_slab.py); on a CPU
         # only: a GPU's pool is sized to the memory left, and its gathers are not what a step waits for
         decode_slab = decode_slab and self.device.type == "cpu"
