@@ -57,10 +57,10 @@ class EngineConfig:
     # attention instead of gathered from the paged pool every layer and step (async_rl/engine/decode_slab.py);
     # the slab takes at most kv_cache_mb more memory, and a step over that reads the pool
     decode_slab: bool = True
-    # GEMMs of steps of <= 128 rows (decodes) in fp32 on a CPU (async_rl/engine/cpu_gemm.py): auto = the compiled
-    # kernel on AVX2 CPUs where a C compiler builds it (measured faster there), torch's elsewhere | compiled
-    # (required: an error where it cannot build) | torch (oneDNN / MKL always)
-    small_gemm: str = "auto"
+    # fp32 on a CPU: GEMMs of steps of <= 128 rows (decodes) and the slab's decode attention through kernels compiled
+    # at first use (async_rl/engine/cpu_kernels.py): auto = on AVX2 CPUs (measured faster there) where a C compiler
+    # builds them, torch's elsewhere | compiled (required: an error where they cannot build) | torch (always)
+    cpu_kernels: str = "auto"
     num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
     tool_parser: str = "hermes"  # how /v1/chat/completions reads tool calls from the text (async_rl/tool_parsers.py)
@@ -313,7 +313,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "trainer.compute_dtype": ("auto", "float32", "bfloat16"),
     "engine.backend": ("embedded", "sglang"),
-    "engine.small_gemm": ("auto", "compiled", "torch"),
+    "engine.cpu_kernels": ("auto", "compiled", "torch"),
     "trainer.backend": ("single", "fsdp", "megatron"),
     "trainer.megatron_spec": ("auto", "local", "te"),
     "task.prompt_format": ("raw", "chat"),

@@ -39,6 +39,7 @@ class TierStep:
     rows: torch.Tensor  # [B] 0..B-1
     positions: torch.Tensor  # [B]
     bias: torch.Tensor  # [B * kvH, G, width] 0 where a key exists, -inf past the row's context
+    lens: torch.Tensor  # [B] int32, keys each row holds once this step's are written (position + 1)
 
 
 class Tier:
@@ -222,7 +223,7 @@ class DecodeSlab:
         bias = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
         bias = bias[:, None, None, :].expand(b, self.kv_heads, self.group, tier.width)
         bias = bias.reshape(-1, self.group, tier.width)
-        return TierStep(tier, decodes, torch.arange(b, device=dev), positions, bias)
+        return TierStep(tier, decodes, torch.arange(b, device=dev), positions, bias, (positions + 1).to(torch.int32))
 
     @staticmethod
     def write(li: int, step: TierStep, k: torch.Tensor, v: torch.Tensor) -> None:

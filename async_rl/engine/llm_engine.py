@@ -76,7 +76,7 @@ class LLMEngine:
             logger.info("engine: KV pool capped at %d blocks (%d budgeted): %d x max_running %d x blocks of a "
                         "full context", most, num_blocks, KV_POOL_HEADROOM, config.max_running)
             num_blocks = most
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.decode_slab, config.small_gemm)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.decode_slab, config.cpu_kernels)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_tokens_per_step)
         self.sampler = Sampler(self.runner.device)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from async_rl.engine import cpu_gemm
+from async_rl.engine import cpu_kernels
 from async_rl.engine.decode_slab import DecodeSlab, TierStep
 from async_rl.engine.scheduler import ScheduledChunk
 
@@ -144,7 +144,7 @@ class _Linear:
         self.linears = linears
         self.sizes = [m.weight.shape[0] for m in linears]
         self.pack = pack
-        self.small = small  # GEMM of steps of <= cpu_gemm.MAX_ROWS rows (async_rl/engine/cpu_gemm.py); None: torch's
+        self.small = small  # GEMM of steps of <= cpu_kernels.MAX_ROWS rows (async_rl/engine/cpu_kernels.py); None: torch's
         self.state: list[tuple[int, int]] = []
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
@@ -166,7 +166,7 @@ class _Linear:
             self._lay_out()  # first use, a weight loaded, a parameter's memory replaced, a bias added or removed
         if self.weight is None:
             return None
-        if self.small is not None and h.shape[0] <= cpu_gemm.MAX_ROWS:
+        if self.small is not None and h.shape[0] <= cpu_kernels.MAX_ROWS:
             return self.small(h, self.weight, self.bias)
         if self.packed is not None and (h.shape[0] >= PACKED_MIN_ROWS or h.dtype != torch.float32):
             return torch.ops.mkldnn._linear_pointwise(h, self.packed, self.bias, "none", [], "")
@@ -194,7 +194,7 @@ class _Linear:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, decode_slab: bool = True,
-                 small_gemm: str = "auto"):
+                 kernels: str = "auto"):
         check_architecture(model)
         self.model = model
         cfg = model.config
@@ -216,7 +216,10 @@ class ModelRunner:
         self.kv = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
                               dtype=self.dtype, device=self.device)
         layers, pack = model.model.layers, _packs(self.device, self.dtype)
-        small = cpu_gemm.small_gemm(small_gemm, self.device, self.dtype)
+        # decode GEMMs and slab attention compiled for this CPU, or None: torch's (async_rl/engine/cpu_kernels.py)
+        self.kernels = cpu_kernels.cpu_kernels(kernels, self.device, self.dtype)
+        small = None if self.kernels is None else self.kernels.linear
+        self._scratch = torch.empty(0, dtype=self.dtype, device=self.device)  # the compiled attention's scores
         self.qkv = [_Linear([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj], pack, small) for m in layers]
         self.o_proj = [_Linear([m.self_attn.o_proj], pack, small) for m in layers]
         self.gate_up = [_Linear([m.mlp.gate_proj, m.mlp.up_proj], pack, small) for m in layers]
@@ -391,9 +394,17 @@ class ModelRunner:
         out = q.new_empty(n, heads, d)  # [N, H, D]
         row0 = 0
         for step in batch.slab or ():
-            rows = slice(row0, row0 + len(step.decodes))
-            self.slab.write(li, step, k[rows], v[rows])
-            self._slab_attention(li, q[rows], step, out[rows])
+            b = len(step.decodes)
+            rows = slice(row0, row0 + b)
+            if self.kernels is not None and cpu_kernels.slab_attention_fits(step.tier.width, d, q.dtype):
+                need = b * heads * step.tier.width  # writes the new K/V into the rows, attends over their lengths
+                if self._scratch.numel() < need:
+                    self._scratch = q.new_empty(need)
+                self.kernels.slab_attention(q[rows], k[rows], v[rows], step.tier.kt[li, :b], step.tier.v[li, :b],
+                                            step.lens, out[rows], self._scratch, self.scale)
+            else:
+                self.slab.write(li, step, k[rows], v[rows])
+                self._slab_attention(li, q[rows], step, out[rows])
             row0 = rows.stop
         for group in batch.decodes:
             out[group.rows] = self._decode_attention(k_cache, v_cache, q[group.rows], group)
