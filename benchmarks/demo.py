@@ -3,11 +3,14 @@
     python benchmarks/demo.py                  # 3 runs of configs/smollm2_arith.yaml, as `make demo` runs it
     python benchmarks/demo.py --avx2           # the same on AVX2 kernels (emulates an AVX2-only CPU)
     python benchmarks/demo.py --runs 5 mode=sync    # overrides go to every run
+    python benchmarks/demo.py --seeds 1 2 3 4 trainer.kl_coef=0.05    # one run per seed (seed=N added)
 
 Each run is the command `make demo` runs (`async-rl run --config configs/smollm2_arith.yaml`),
 in its own run directory, one after the other. Per run: the process's wall time, the wall time
 from the first generation to the last train step, held-out accuracy before and after, and the
-wall-clock training time to each `task.eval_targets` accuracy (from the periodic evaluations).
+wall-clock training time to each `task.eval_targets` accuracy (from the periodic evaluations), the
+highest periodic accuracy and the curve. Repeats of one seed on one machine give nearly the same
+curve (fp32 is deterministic but for timing races): how often learning falls back needs `--seeds`.
 Writes benchmarks/results/demo[_avx2].md and .json.
 """
 
@@ -53,7 +56,8 @@ def one_run(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
     reach = {f"{t:.2f}": next((e["timing/train_wall_s"] for e in periodic if e["eval/accuracy"] >= t), None)
              for t in targets}
     dtype = next((line for line in p.stdout.splitlines() if line.startswith("engine dtype:")), "")
-    return {"wall_s": wall, "train_wall_s": metrics[-1]["time"] - started, "steps": len(metrics),
+    curve = [round(e["eval/accuracy"], 4) for e in periodic]
+    return {"seed": _config(run_dir).get("seed"), "peak": max(curve, default=None), "curve": curve, "wall_s": wall, "train_wall_s": metrics[-1]["time"] - started, "steps": len(metrics),
             "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
             "eval_n": after["eval/n"], "time_to": reach, "dtype_line": dtype}
 
@@ -78,34 +82,40 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--avx2", action="store_true", help="hold torch's kernels to AVX2 (an AVX2-only CPU)")
     ap.add_argument("--name", default=None, help="results file name (default demo, demo_avx2 with --avx2)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="one run per seed, `seed=N` added to its overrides (instead of --runs repeats)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args()
     env = AVX2 if args.avx2 else {}
     name = args.name or ("demo_avx2" if args.avx2 else "demo")
+    per_run = [[f"seed={s}"] for s in args.seeds] if args.seeds else [[] for _ in range(args.runs)]
     runs = []
-    for k in range(args.runs):
-        run = one_run(ROOT / "runs" / f"{name}_{k}", args.overrides, env)
+    for k, own in enumerate(per_run):
+        run = one_run(ROOT / "runs" / f"{name}_{k}", [*args.overrides, *own], env)
         runs.append(run)
         print(f"run {k}: {json.dumps(run)}", flush=True)
-    print(report(name, runs, args.overrides).read_text())
+    print(report(name, runs, args.overrides, seeds=args.seeds).read_text())
 
 
-def report(name: str, runs: list[dict], overrides: list[str]) -> Path:
+def report(name: str, runs: list[dict], overrides: list[str], seeds: list[int] | None = None) -> Path:
     """Write benchmarks/results/NAME.md and .json from the runs' records (the `run k: {...}` lines)."""
     targets = sorted(runs[0]["time_to"])
+    how = f"one run per seed ({', '.join(map(str, seeds))})" if seeds else f"{len(runs)} runs"
     lines = [f"`make demo` = `async-rl run --config {CONFIG}`{' ' + ' '.join(overrides) if overrides else ''}"
-             f", {len(runs)} runs one after the other; median (min-max).", "",
+             f", {how} one after the other; median (min-max).", "",
              f"{runs[0]['dtype_line']}", "",
-             "| make demo wall | steps | training wall clock | held-out accuracy before -> after | "
+             "| make demo wall | steps | training wall clock | held-out accuracy before -> after | highest periodic | "
              + " | ".join(f"time to {t}" for t in targets) + " |",
-             "|---|---|---|---|" + "---|" * len(targets),
+             "|---|---|---|---|---|" + "---|" * len(targets),
              f"| {summary([r['wall_s'] for r in runs], ' s')} | {runs[0]['steps']} | "
              f"{summary([r['train_wall_s'] for r in runs], ' s')} | "
              f"{summary([r['accuracy_before'] for r in runs])} -> {summary([r['accuracy_after'] for r in runs])} "
-             f"on {runs[0]['eval_n']} problems | "
+             f"on {runs[0]['eval_n']} problems | {summary([r.get('peak') for r in runs])} | "
              + " | ".join(summary([r['time_to'][t] for r in runs], " s") for t in targets) + " |",
              "", "Runs:", ""]
-    lines += [f"- {json.dumps(r)}" for r in runs]
+    lines += [f"- seed {r.get('seed')}: {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}, highest "
+              f"{r.get('peak')}, curve {r.get('curve')}" for r in runs if "curve" in r]
+    lines += ["", "Records:", ""] + [f"- {json.dumps(r)}" for r in runs]
     return write_results(name, "\n".join(lines), {"runs": runs})
 
 

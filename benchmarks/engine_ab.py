@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -56,7 +57,15 @@ def base_runner(commit: str, where: Path) -> type:
     load(BASE_SLAB, source("async_rl/engine/decode_slab.py"))
     runner = source("async_rl/engine/model_runner.py").replace("from async_rl.engine.decode_slab import",
                                                                f"from {BASE_SLAB} import")
-    return load("base_model_runner", runner).ModelRunner
+    base = load("base_model_runner", runner).ModelRunner
+    takes = len(inspect.signature(base.__init__).parameters) - 1  # a base older than this checkout's engine
+    # passes fewer arguments (before engine.cpu_kernels: model, blocks, block size, decode slab)
+
+    class Base(base):
+        def __init__(self, *args):
+            super().__init__(*args[:takes])
+
+    return Base
 
 
 def decoding_engine(model, cfg: EngineConfig, runner_cls: type, n: int, context: int) -> llm_engine.LLMEngine:

@@ -24,7 +24,9 @@ MKL, whose GEMMs of 4-32 rows against a weight read from memory were 2-3x slower
 ones on a 2-core Xeon (Cascade Lake: 4.0 against 10.8 GB/s of weights at 16 rows), while at 1-3 rows
 MKL's were faster (14.9 against 11.2 GB/s at one row): fp32 steps of fewer than `PACKED_MIN_ROWS`
 rows run `F.linear`, and so do fp32 weights under `PACKED_MIN_WEIGHT` (they stay in cache, and there
-oneDNN's per-call cost made a 64x64 GEMM 4x slower).
+oneDNN's per-call cost made a 64x64 GEMM 4x slower). In fp32 on an AVX2 CPU (`engine.cpu_kernels`), steps of
+up to 128 rows run a compiled GEMM instead, and the slab's decode attention a compiled kernel that also writes
+the step's K/V into the rows (async_rl/engine/cpu_kernels.py): both faster there than torch's.
 """
 
 from __future__ import annotations
