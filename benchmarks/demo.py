@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import drop_bulk, write_results  # noqa: E402
 
 CONFIG = "configs/smollm2_arith.yaml"
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "DNNL_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
@@ -57,7 +57,9 @@ def one_run(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
              for t in targets}
     dtype = next((line for line in p.stdout.splitlines() if line.startswith("engine dtype:")), "")
     curve = [round(e["eval/accuracy"], 4) for e in periodic]
-    return {"seed": _config(run_dir).get("seed"), "peak": max(curve, default=None), "curve": curve, "wall_s": wall, "train_wall_s": metrics[-1]["time"] - started, "steps": len(metrics),
+    drop_bulk(run_dir)  # ~4.6 GB of checkpoints and weight versions a run: a seed sweep filled the disk
+    return {"seed": _config(run_dir).get("seed"), "peak": max(curve, default=None), "curve": curve,
+            "wall_s": wall, "train_wall_s": metrics[-1]["time"] - started, "steps": len(metrics),
             "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
             "eval_n": after["eval/n"], "time_to": reach, "dtype_line": dtype}
 
