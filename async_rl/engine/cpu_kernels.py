@@ -7,8 +7,9 @@
   6-13 GB/s (it takes a generic path on AMD CPUs). The kernel reads each weight row where it lies (no
   packed copy), 4 rows at a time against 3 rows of x (12 AVX2 accumulators, dot products along K),
   prefetching the weights two tiles on, one OpenMP loop over the output columns. Over all linear layers
-  of SmolLM2-135M (0.54 GB of fp32 weights) it ran 1.1-1.24x faster than oneDNN's packed kernel at 1-128
-  rows and 0.95x at 256 (`python -m async_rl.engine.cpu_kernels` prints that table): steps of more than
+  of SmolLM2-135M (0.54 GB of fp32 weights) it ran 1.11-1.39x faster than oneDNN's packed kernel at 1-128
+  rows and 0.95-0.99x at 256 (two runs of `python -m async_rl.engine.cpu_kernels`, which prints that
+  table): steps of more than
   `MAX_ROWS` rows (prefill chunks) keep oneDNN's.
 - **Slab attention** (async_rl/engine/decode_slab.py): for each row and KV head, the step's new key and
   value go into the row, then its query heads attend over the row's own length, not the tier's width (the

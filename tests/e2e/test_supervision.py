@@ -126,6 +126,9 @@ def test_random_kills_of_every_component_within_one_run(tmp_path):
             pid = _pid(tmp_path, component)
             _kill(pid)
             kills.append((component, len(_rows(tmp_path / "metrics.jsonl"))))
+            # until it is gone, /proc shows a killed process as running: the next kill's "every component up"
+            # would count it, and a kill of the same component would hit the dying one (no restart recorded)
+            _wait_for(lambda: not running(pid), proc, why=f"{component} (pid {pid}) gone after kill -9 ({seed})")
         out, err = _finish(proc, timeout=400)
     finally:
         if proc.poll() is None:
