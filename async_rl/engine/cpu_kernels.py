@@ -19,7 +19,7 @@
   K/V written by an index_put first); outputs within 1e-6 of them.
 
 Both run on torch's own OpenMP runtime (the library's `libgomp.so.1` resolves to the one torch loaded) with
-torch's thread count. They are built at first use with the machine's C compiler (`$CC`, else `cc`: about a
+torch's thread count, one thread for small work (`PARALLEL_MIN_*`). They are built at first use with the machine's C compiler (`$CC`, else `cc`: about a
 second) into `$ASYNC_RL_KERNEL_DIR` (default ~/.cache/async_rl/kernels), keyed by a hash of the source and
 flags; without a compiler, AVX2 or FMA the engine keeps torch's kernels (`available()` says why). Which the
 engine uses is `CPU_KERNELS[engine.cpu_kernels]`.
@@ -44,6 +44,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 128  # x of more rows (prefill chunks) runs oneDNN's kernel: from 256 rows the two were even
+# Work under these sizes runs on one thread, as torch's own kernels do below their grain: a parallel region
+# costs a wake-up and a barrier, and where processes share the cores (two test workers, trainer and engine on
+# one machine) a barrier waits for a time slice: the engine tests of a tiny model ran 113 s instead of 17 s
+# under `pytest -n 2` with every call on two threads
+PARALLEL_MIN_WEIGHT = 1 << 18  # GEMM: elements of the weight (1 MB in fp32)
+PARALLEL_MIN_KV = 1 << 16  # attention: elements of K read (rows x KV heads x width x head dim)
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -271,7 +277,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         bias = bias.contiguous()
     y = x.new_empty(x.shape[0], weight.shape[0])
     lib.sgemm_xwt(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                  x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+                  x.shape[0], weight.shape[0], x.shape[1],
+                  torch.get_num_threads() if weight.numel() >= PARALLEL_MIN_WEIGHT else 1)
     return y
 
 
@@ -298,7 +305,8 @@ def slab_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.
                          f"D % 8 == 0 and scratch of {b * heads * w} floats expected")
     lib.slab_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                        kt.data_ptr(), vt.data_ptr(), lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
-                       b, kvh, heads // kvh, d, w, scale, torch.get_num_threads())
+                       b, kvh, heads // kvh, d, w, scale,
+                       torch.get_num_threads() if b * kvh * w * d >= PARALLEL_MIN_KV else 1)
 
 
 @dataclass(frozen=True)
