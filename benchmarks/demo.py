@@ -51,14 +51,15 @@ def one_run(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
     after = next(e for e in reversed(evals) if e["when"] == "after")
     metrics = rows(run_dir / "metrics.jsonl")
     started = next(r["time"] for r in rows(run_dir / "rollout_metrics.jsonl") if "rollout/generation_started" in r)
-    targets = json.loads(json.dumps(_config(run_dir)["task"]["eval_targets"]))
+    config = _config(run_dir)
+    targets = json.loads(json.dumps(config["task"]["eval_targets"]))
     periodic = [e for e in evals if e["when"] == "periodic"]
     reach = {f"{t:.2f}": next((e["timing/train_wall_s"] for e in periodic if e["eval/accuracy"] >= t), None)
              for t in targets}
     dtype = next((line for line in p.stdout.splitlines() if line.startswith("engine dtype:")), "")
     curve = [round(e["eval/accuracy"], 4) for e in periodic]
     drop_bulk(run_dir)  # ~4.6 GB of checkpoints and weight versions a run: a seed sweep filled the disk
-    return {"seed": _config(run_dir).get("seed"), "peak": max(curve, default=None), "curve": curve,
+    return {"seed": config.get("seed"), "peak": max(curve, default=None), "curve": curve,
             "wall_s": wall, "train_wall_s": metrics[-1]["time"] - started, "steps": len(metrics),
             "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
             "eval_n": after["eval/n"], "time_to": reach, "dtype_line": dtype}

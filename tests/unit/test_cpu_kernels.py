@@ -10,6 +10,7 @@ from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine import cpu_kernels
 from async_rl.engine.llm_engine import LLMEngine
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
+from async_rl.types import SamplingParams
 
 ok, why = cpu_kernels.available()
 needs_kernel = pytest.mark.skipif(not ok, reason=f"compiled kernel unavailable: {why}")
@@ -49,7 +50,6 @@ def test_engine_picks_the_kernels_by_name_and_logprobs_match_a_fresh_forward(cho
     assert (engine.runner.gate_up[0].small is cpu_kernels.linear) == (choice == "compiled")
     assert (engine.runner.kernels is cpu_kernels.COMPILED) == (choice == "compiled")
     prompt = tok.encode("12+34=")
-    from async_rl.types import SamplingParams
     engine.add_request("r", prompt, SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, seed=1))
     out = None
     while engine.has_unfinished():
