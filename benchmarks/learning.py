@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import drop_bulk, write_results  # noqa: E402
+from benchmarks.common import _cpu_model, drop_bulk, write_results  # noqa: E402
 
 SETTINGS = {
     "sync": ["mode=sync"],
@@ -65,8 +65,19 @@ def run_one(args: argparse.Namespace, label: str, seed: int, run_dir: Path) -> d
     if res.returncode != 0:
         raise SystemExit(f"{label} seed {seed} failed:\n{res.stderr[-2000:]}")
     row = summarise(label, seed, run_dir, time.perf_counter() - t0)
+    row["provenance"] = provenance()  # a table may gather its rows over days: each says where it came from
     drop_bulk(run_dir)  # ~3.5 GB a run with SmolLM2 (model + Adam state): 18 runs fill a disk
     return row
+
+
+def provenance() -> dict:
+    """The commit (with '+' when the tree had changes), the finishing time and the CPU kind of one run."""
+    from async_rl.utils.hardware import cpu_capability
+
+    git = subprocess.run(["git", "describe", "--always", "--dirty=+", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                         text=True).stdout.strip() or "unknown"
+    return {"commit": git, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cpu": f"{_cpu_model()}, {cpu_capability()}"}
 
 
 def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:
@@ -155,6 +166,20 @@ def median_curves(rows: list[dict], key: str) -> dict[str, tuple[list[float], li
     return out
 
 
+def provenance_note(rows: list[dict]) -> str:
+    """Where the rows came from: runs grouped by commit and CPU, each group with its first and last finishing time."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        p = r.get("provenance")
+        if p:
+            groups.setdefault((p["commit"], p["cpu"]), []).append(r)
+    if not groups:
+        return ""
+    parts = [f"{len(rs)} run(s) at commit {commit} on {cpu}, finished {min(r['provenance']['finished'] for r in rs)}"
+             f" to {max(r['provenance']['finished'] for r in rs)}" for (commit, cpu), rs in groups.items()]
+    return " Runs: " + "; ".join(parts) + "."
+
+
 def plot(rows: list[dict], path: Path, eval_n: int) -> None:
     from async_rl.report.plots import new_figure, plot_curves, save
 
@@ -184,7 +209,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.no_run and not args.reuse:
         ap.error("--no-run: only with --reuse (the rows come from earlier runs)")
-    rows, missing = [], []
+    rows, missing, ran = [], [], False
     # rows of an earlier table (a fresh clone has no runs/): reused by --reuse like the run directories' own
     results = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     earlier = json.loads(results.read_text()) if args.reuse and results.is_file() else {}
@@ -208,13 +233,30 @@ def main() -> None:
             else:
                 rows.append(run_one(args, label, seed, run_dir))
                 saved.write_text(json.dumps(rows[-1]))
+                ran = True
             r = rows[-1]
             print(f"{label} seed {seed}: accuracy {r['acc_before']:.3f} -> {r['acc_after']:.3f} "
                   f"(last 3 evals {r['acc_last3']:.3f}, peak {r['acc_peak']:.3f}), {r['wall_s']:.0f}s", flush=True)
+            if ran:  # the table so far goes out after every new run: a long table survives an interrupted session
+                publish(args, rows, missing + pending(args, label, seed), quiet=True)
+                ran = False
     if not rows:
         raise SystemExit("no finished runs to tabulate (--no-run): run without it")
+    publish(args, rows, missing)
+
+
+def pending(args: argparse.Namespace, label: str, seed: int) -> list[str]:
+    """The (setting, seed) pairs after this one in the loop's order, by name."""
+    order = [(lb, sd) for lb in args.settings for sd in args.seeds]
+    return [f"{lb} seed {sd}" for lb, sd in order[order.index((label, seed)) + 1:]]
+
+
+def publish(args: argparse.Namespace, rows: list[dict], missing: list[str], quiet: bool = False) -> None:
+    """benchmarks/results/NAME.{md,json,png} for the rows there are; the runs not there yet are named."""
+    rows = [dict(r) for r in rows]  # delay_sync adds a column: keep the caller's rows as they were
     text = table(rows)
-    print(text)
+    if not quiet:
+        print(text)
     eval_n = rows[0]["eval_n"]
     note = (f"\n\n{args.steps} train steps per run (equal trained samples), seeds {args.seeds}, config "
             f"`{args.config}`{' ' + ' '.join(args.overrides) if args.overrides else ''}. Accuracy: greedy, on "
@@ -227,7 +269,8 @@ def main() -> None:
             "policy that sampled a trained trajectory and the one trained, over the run; sync delayed by that "
             "staleness: the same seed's sync curve read that many steps before the end (interpolated), what a "
             "setting would reach if its stale data cost it only the delay."
-            + (f" Not run yet: {', '.join(missing)}." if missing else ""))
+            + (f" Not run yet: {', '.join(missing)}." if missing else "")
+            + provenance_note(rows))
     write_results(args.name, text + note, {"rows": rows, "steps": args.steps, "seeds": args.seeds,
                                            "config": args.config, "overrides": args.overrides})
     plot(rows, ROOT / "benchmarks" / "results" / f"{args.name}.png", eval_n)
