@@ -123,7 +123,7 @@ def _spread(values: list[float], spec: str = ".3f") -> str:
 COLUMNS = [("final accuracy", "acc_after", ".3f"), ("mean of last 3 evals", "acc_last3", ".3f"),
            ("peak accuracy", "acc_peak", ".3f"), ("mean staleness of trained data", "staleness_mean", ".2f"),
            ("sync delayed by that staleness", "sync_delayed", ".3f"), ("train s/step", "train_s_per_step", ".1f"),
-           ("log-prob mismatch, mean abs (lag 0)", "mismatch_mean", ".4f"),
+           ("log-prob mismatch, mean abs (lag 0)", "mismatch_mean", ".2g"),
            ("behaviour weight max", "behav_weight_max", ".2f"), ("capped share", "behav_capped_frac", ".4f")]
 
 
