@@ -23,13 +23,13 @@ def machine() -> dict:
 
     info = {"cpu_capability": cpu_capability(), "cores": len(os.sched_getaffinity(0)),
             "torch_threads": torch.get_num_threads(), "cpu_bf16_gemm_speedup": round(cpu_bf16_speedup(), 2),
-            "processor": _cpu_model(), "python": platform.python_version(), "torch": torch.__version__}
+            "processor": cpu_model(), "python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -17,6 +17,8 @@ versions beside it, and after it.
 
 Prints a table of medians (min-max over seeds) and writes benchmarks/results/NAME.{md,json} (the
 command, the machine, the date) and NAME.png (median held-out accuracy and train reward per step).
+They are written after every run (the runs not there yet named; each row with its commit, finishing
+time and CPU), so `--reuse` continues a table longer than one session, on a fresh clone too.
 Per-step training signals come from each run's metrics: the engine/trainer log-prob mismatch
 (`train/logprob_mismatch_mean`, tokens sampled by the trainer's own version) and the share of
 tokens whose behaviour weight exceeded the cap (`train/behav_capped_frac`).
@@ -35,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import _cpu_model, drop_bulk, write_results  # noqa: E402
+from benchmarks.common import cpu_model, drop_bulk, write_results  # noqa: E402
 
 SETTINGS = {
     "sync": ["mode=sync"],
@@ -60,24 +62,29 @@ def run_one(args: argparse.Namespace, label: str, seed: int, run_dir: Path) -> d
     cmd = [sys.executable, "-m", "launch.cli", "run", "--config", args.config, f"seed={seed}",
            f"total_steps={args.steps}", f"run_dir={run_dir}", f"rollout.eval_every={args.eval_every}",
            f"task.eval_size={args.eval_size}", "log.progress=false", *SETTINGS[label], *args.overrides]
+    commit = git_commit()  # the code the run imports is the code at its start
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{label} seed {seed} failed:\n{res.stderr[-2000:]}")
     row = summarise(label, seed, run_dir, time.perf_counter() - t0)
-    row["provenance"] = provenance()  # a table may gather its rows over days: each says where it came from
+    row["provenance"] = provenance(commit)  # a table may gather its rows over days: each says where it came from
     drop_bulk(run_dir)  # ~3.5 GB a run with SmolLM2 (model + Adam state): 18 runs fill a disk
     return row
 
 
-def provenance() -> dict:
-    """The commit (with '+' when the tree had changes), the finishing time and the CPU kind of one run."""
+def git_commit() -> str:
+    """This checkout's commit, with '+' when tracked files have changes."""
+    return subprocess.run(["git", "describe", "--always", "--dirty=+", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+
+
+def provenance(commit: str) -> dict:
+    """One run's commit (taken at its start), finishing time and CPU kind."""
     from async_rl.utils.hardware import cpu_capability
 
-    git = subprocess.run(["git", "describe", "--always", "--dirty=+", "--abbrev=7"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip() or "unknown"
-    return {"commit": git, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpu": f"{_cpu_model()}, {cpu_capability()}"}
+    return {"commit": commit, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cpu": f"{cpu_model()}, {cpu_capability()}"}
 
 
 def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:
@@ -209,7 +216,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.no_run and not args.reuse:
         ap.error("--no-run: only with --reuse (the rows come from earlier runs)")
-    rows, missing, ran = [], [], False
+    rows, missing = [], []
     # rows of an earlier table (a fresh clone has no runs/): reused by --reuse like the run directories' own
     results = ROOT / "benchmarks" / "results" / f"{args.name}.json"
     earlier = json.loads(results.read_text()) if args.reuse and results.is_file() else {}
@@ -233,13 +240,11 @@ def main() -> None:
             else:
                 rows.append(run_one(args, label, seed, run_dir))
                 saved.write_text(json.dumps(rows[-1]))
-                ran = True
+                # the table so far goes out after every new run: a long table survives an interrupted session
+                publish(args, rows, missing + pending(args, label, seed), quiet=True)
             r = rows[-1]
             print(f"{label} seed {seed}: accuracy {r['acc_before']:.3f} -> {r['acc_after']:.3f} "
                   f"(last 3 evals {r['acc_last3']:.3f}, peak {r['acc_peak']:.3f}), {r['wall_s']:.0f}s", flush=True)
-            if ran:  # the table so far goes out after every new run: a long table survives an interrupted session
-                publish(args, rows, missing + pending(args, label, seed), quiet=True)
-                ran = False
     if not rows:
         raise SystemExit("no finished runs to tabulate (--no-run): run without it")
     publish(args, rows, missing)
