@@ -218,9 +218,10 @@ class DecodeSlab:
 
     def _step(self, tier: Tier, decodes: list[tuple[object, int, list[int]]]) -> TierStep:
         b, dev = len(decodes), self.device
-        if max(pos for _, pos, _ in decodes) >= tier.width:  # the compiled attention writes at lens - 1
+        pos = [p for _, p, _ in decodes]
+        if max(pos) >= tier.width:  # the compiled attention writes at lens - 1
             raise AssertionError(f"decode slab: a position past its tier's width {tier.width}")
-        positions = torch.tensor([pos for _, pos, _ in decodes], device=dev)
+        positions = torch.tensor(pos, device=dev)
         keep = torch.arange(tier.width, device=dev)[None, :] <= positions[:, None]  # [B, width]
         bias = torch.zeros(keep.shape, dtype=self.dtype, device=dev).masked_fill_(~keep, float("-inf"))
         bias = bias[:, None, None, :].expand(b, self.kv_heads, self.group, tier.width)

@@ -129,6 +129,18 @@ def test_a_slab_over_its_budget_holds_what_fits_and_keeps_holding_it():
     assert all(not t.row_of for t in slab.tiers)
 
 
+def test_a_step_refuses_a_position_past_its_tiers_width():
+    """The compiled attention writes the new K/V at lens - 1 without a bounds check of its own: a step
+    whose position lies past its tier's width is refused before any write (placement never builds one;
+    this guards the kernel against a placement bug)."""
+    slab = DecodeSlab(1, 1, 4, group=1, dtype=torch.float32, device=torch.device("cpu"),
+                      budget_bytes=1 << 16, max_context=16, base=8)
+    tier = slab.tiers[0]
+    assert slab._step(tier, [(0, tier.width - 1, [0])]).lens.tolist() == [tier.width]
+    with pytest.raises(AssertionError, match="past its tier's width"):
+        slab._step(tier, [(0, 2, [0]), (1, tier.width, [1])])
+
+
 def test_decodes_left_out_of_the_slab_read_the_pool_in_the_same_step(model, tok):
     """A budget for a few rows only: every step mixes slab rows and decodes read from the pool, and
     the tokens and log-probs are those of the engine with the slab off."""
