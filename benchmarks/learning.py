@@ -152,13 +152,29 @@ def delay_sync(rows: list[dict]) -> None:
                                  float("nan"))  # outside that seed's sync curve: not comparable
 
 
+def paired_gap(rs: list[dict], sync: dict[int, dict], key: str) -> str:
+    """Mean over seeds of (a row's final accuracy - `key` of its seed's sync row): seeds share initial weights,
+    prompts and held-out set, so the seeds' own spread mostly cancels; n/a without a sync row to pair with."""
+    gaps = [r["acc_after"] - sync[r["seed"]][key] if key == "acc_after" else r["acc_after"] - r[key]
+            for r in rs if r["seed"] in sync and r[key] == r[key]]
+    return f"{statistics.mean(gaps):+.3f}" if gaps and rs[0]["setting"] != "sync" else ""
+
+
+def cpus(rs: list[dict]) -> str:
+    """The CPU kinds a setting's runs ran on (its seconds per step compare only within one)."""
+    return " + ".join(dict.fromkeys(r["provenance"]["cpu"] for r in rs if "provenance" in r)) or "not recorded"
+
+
 def table(rows: list[dict]) -> str:
     delay_sync(rows)
-    lines = ["| setting | seeds | accuracy before | " + " | ".join(c for c, _, _ in COLUMNS) + " |",
-             "|---" * (3 + len(COLUMNS)) + "|"]
+    sync = {r["seed"]: r for r in rows if r["setting"] == "sync"}
+    heads = ["setting", "seeds", "accuracy before", *(c for c, _, _ in COLUMNS), "vs sync, mean of paired differences",
+             "vs sync delayed, mean of paired differences", "CPU"]
+    lines = ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
     for label in dict.fromkeys(r["setting"] for r in rows):
         rs = [r for r in rows if r["setting"] == label]
         cells = [_spread([r[key] for r in rs], spec) for _, key, spec in COLUMNS]
+        cells += [paired_gap(rs, sync, "acc_after"), paired_gap(rs, sync, "sync_delayed"), cpus(rs)]
         lines.append(f"| {label} | {len(rs)} | {_spread([r['acc_before'] for r in rs])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -230,7 +246,8 @@ def main() -> None:
             if args.reuse and saved.is_file():
                 row = json.loads(saved.read_text())
                 if (run_dir / "metrics.jsonl").is_file():  # the run's own files are there: read them again
-                    row = summarise(label, seed, run_dir, row["wall_s"])
+                    row = {**summarise(label, seed, run_dir, row["wall_s"]),
+                           **({"provenance": row["provenance"]} if "provenance" in row else {})}
                 rows.append(row)
             elif (label, seed) in published:
                 rows.append(published[(label, seed)])
@@ -273,7 +290,9 @@ def publish(args: argparse.Namespace, rows: list[dict], missing: list[str], quie
             "exceeded trainer.behav_weight_cap, averaged over steps. Mean staleness: versions between the "
             "policy that sampled a trained trajectory and the one trained, over the run; sync delayed by that "
             "staleness: the same seed's sync curve read that many steps before the end (interpolated), what a "
-            "setting would reach if its stale data cost it only the delay."
+            "setting would reach if its stale data cost it only the delay; the paired differences are means over the "
+            "seeds of a run's final accuracy minus its seed's sync final (or delayed sync) accuracy, whose evaluation noise is "
+            "about sqrt(2/seeds) x one run's binomial noise. Train s/step compare only between rows on the same CPU."
             + (f" Not run yet: {', '.join(missing)}." if missing else "")
             + provenance_note(rows))
     write_results(args.name, text + note, {"rows": rows, "steps": args.steps, "seeds": args.seeds,
