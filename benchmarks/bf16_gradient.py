@@ -15,7 +15,7 @@ advantages, the trainer's own `token_logprobs` and decoupled PPO loss at ratio 1
   run those);
 - the forward + backward time in each precision (median of 3).
 
-    python benchmarks/bf16_gradient.py                 # 3 batches (seeds 0-2), writes benchmarks/results/bf16_gradient.{md,json}
+    python benchmarks/bf16_gradient.py     # 3 batches (seeds 0-2): benchmarks/results/bf16_gradient.{md,json}
     python benchmarks/bf16_gradient.py --batches 1 --prompts 1 --group 4 --name bf16_gradient_smoke   # a smoke check
 """
 

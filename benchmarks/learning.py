@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,12 +153,11 @@ def delay_sync(rows: list[dict]) -> None:
                                  float("nan"))  # outside that seed's sync curve: not comparable
 
 
-def paired_gap(rs: list[dict], sync: dict[int, dict], key: str) -> str:
-    """Mean over seeds of (a row's final accuracy - `key` of its seed's sync row): seeds share initial weights,
-    prompts and held-out set, so the seeds' own spread mostly cancels; n/a without a sync row to pair with."""
-    gaps = [r["acc_after"] - sync[r["seed"]][key] if key == "acc_after" else r["acc_after"] - r[key]
-            for r in rs if r["seed"] in sync and r[key] == r[key]]
-    return f"{statistics.mean(gaps):+.3f}" if gaps and rs[0]["setting"] != "sync" else ""
+def paired_gap(rs: list[dict], reference: Callable[[dict], float]) -> str:
+    """Mean over seeds of (a run's final accuracy - `reference(run)`, a sync figure of its own seed): seeds share
+    initial weights, prompts and held-out set, so their own spread mostly cancels. Empty where nothing pairs."""
+    gaps = [r["acc_after"] - ref for r in rs if (ref := reference(r)) == ref]  # NaN: no sync run of that seed
+    return f"{statistics.mean(gaps):+.3f}" if gaps else ""
 
 
 def cpus(rs: list[dict]) -> str:
@@ -174,7 +174,12 @@ def table(rows: list[dict]) -> str:
     for label in dict.fromkeys(r["setting"] for r in rows):
         rs = [r for r in rows if r["setting"] == label]
         cells = [_spread([r[key] for r in rs], spec) for _, key, spec in COLUMNS]
-        cells += [paired_gap(rs, sync, "acc_after"), paired_gap(rs, sync, "sync_delayed"), cpus(rs)]
+        if label != "sync":
+            cells += [paired_gap(rs, lambda r: sync[r["seed"]]["acc_after"] if r["seed"] in sync else float("nan")),
+                      paired_gap(rs, lambda r: r["sync_delayed"])]
+        else:
+            cells += ["", ""]
+        cells.append(cpus(rs))
         lines.append(f"| {label} | {len(rs)} | {_spread([r['acc_before'] for r in rs])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -290,9 +295,10 @@ def publish(args: argparse.Namespace, rows: list[dict], missing: list[str], quie
             "exceeded trainer.behav_weight_cap, averaged over steps. Mean staleness: versions between the "
             "policy that sampled a trained trajectory and the one trained, over the run; sync delayed by that "
             "staleness: the same seed's sync curve read that many steps before the end (interpolated), what a "
-            "setting would reach if its stale data cost it only the delay; the paired differences are means over the "
-            "seeds of a run's final accuracy minus its seed's sync final (or delayed sync) accuracy, whose evaluation noise is "
-            "about sqrt(2/seeds) x one run's binomial noise. Train s/step compare only between rows on the same CPU."
+            "setting would reach if its stale data cost it only the delay; the paired differences are means over "
+            "the seeds of a run's final accuracy minus its seed's sync final (or delayed sync) accuracy, whose "
+            "evaluation noise is about sqrt(2/seeds) x one run's binomial noise. Train s/step compare only between "
+            "rows on the same CPU."
             + (f" Not run yet: {', '.join(missing)}." if missing else "")
             + provenance_note(rows))
     write_results(args.name, text + note, {"rows": rows, "steps": args.steps, "seeds": args.seeds,
