@@ -1,7 +1,7 @@
 """Does a bf16-autocast train step point where the fp32 one does? The demo's GRPO gradient, both ways.
 
-Under bf16 autocast both async_rl and TRL learn far less on the demo than in fp32, at every learning
-rate tried (README, `benchmarks/vs_trl.py`). This measures the step itself, on real batches of the
+Single runs of the demo once found both async_rl and TRL learning far less under bf16 autocast than
+in fp32 (README, `benchmarks/vs_trl.py`). This measures the step itself, on real batches of the
 demo's task (SmolLM2-135M, 4 prompts x 8 answers sampled at temperature 0.7, 24 new tokens, GRPO
 advantages, the trainer's own `token_logprobs` and decoupled PPO loss at ratio 1):
 
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import median_range, write_results  # noqa: E402
 
 
 def sample_batch(model, tok, task, prompts, group: int, seed: int, max_new: int):
@@ -137,19 +137,14 @@ ROWS = [("gradient cosine", "bf16_cosine", "batches_cosine", ".3f"),
         ("forward + backward s (bf16; fp32)", "fwd_bwd_s_bf16", "fwd_bwd_s_fp32", ".2f")]
 
 
-def spread(vals: list[float], spec: str) -> str:
-    if len(vals) == 1:
-        return format(vals[0], spec)
-    return f"{format(statistics.median(vals), spec)} ({format(min(vals), spec)}-{format(max(vals), spec)})"
-
-
 def table(rows: list[dict], lr: float) -> str:
     lines = ["| measure | bf16 autocast vs fp32, same batch | fp32 vs fp32, two batches of the same prompts |",
              "|---|---|---|"]
     for name, bf, base, spec in ROWS:
-        lines.append(f"| {name} | {spread([r[bf] for r in rows], spec)} | {spread([r[base] for r in rows], spec)} |")
+        cells = (median_range([r[k] for r in rows], spec) for k in (bf, base))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append(f"| weights whose bf16 copy moves in one Adam step at lr {lr:g} | "
-                 f"{spread([r['bf16_visible_share'] for r in rows], '.3f')} | |")
+                 f"{median_range([r['bf16_visible_share'] for r in rows], '.3f')} | |")
     return "\n".join(lines)
 
 

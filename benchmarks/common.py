@@ -92,6 +92,18 @@ def drop_bulk(run_dir: Path) -> None:
         shutil.rmtree(Path(run_dir) / sub, ignore_errors=True)
 
 
+def median_range(values: list[float], spec: str = ".3f") -> str:
+    """A table cell: median (min-max) of the values, one value alone as itself, NaNs (not measured) left out."""
+    import statistics
+
+    vals = [v for v in values if v == v]
+    if not vals:
+        return "n/a"
+    if len(vals) == 1:
+        return format(vals[0], spec)
+    return f"{format(statistics.median(vals), spec)} ({format(min(vals), spec)}-{format(max(vals), spec)})"
+
+
 def command() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
 

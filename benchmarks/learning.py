@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import cpu_model, drop_bulk, write_results  # noqa: E402
+from benchmarks.common import cpu_model, drop_bulk, median_range, write_results  # noqa: E402
 
 SETTINGS = {
     "sync": ["mode=sync"],
@@ -118,16 +118,6 @@ def summarise(label: str, seed: int, run_dir: Path, wall_s: float) -> dict:
             "dropped_stale": sum(r.get("train/dropped_stale", 0) for r in steps), "wall_s": wall_s}
 
 
-def _spread(values: list[float], spec: str = ".3f") -> str:
-    """Median (min-max) over seeds; one value alone as itself."""
-    vals = [v for v in values if v == v]  # NaN: not measured
-    if not vals:
-        return "n/a"
-    if len(vals) == 1:
-        return format(vals[0], spec)
-    return f"{format(statistics.median(vals), spec)} ({format(min(vals), spec)}-{format(max(vals), spec)})"
-
-
 COLUMNS = [("final accuracy", "acc_after", ".3f"), ("mean of last 3 evals", "acc_last3", ".3f"),
            ("peak accuracy", "acc_peak", ".3f"), ("mean staleness of trained data", "staleness_mean", ".2f"),
            ("sync delayed by that staleness", "sync_delayed", ".3f"), ("train s/step", "train_s_per_step", ".1f"),
@@ -173,14 +163,15 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
     for label in dict.fromkeys(r["setting"] for r in rows):
         rs = [r for r in rows if r["setting"] == label]
-        cells = [_spread([r[key] for r in rs], spec) for _, key, spec in COLUMNS]
+        cells = [median_range([r[key] for r in rs], spec) for _, key, spec in COLUMNS]
         if label != "sync":
             cells += [paired_gap(rs, lambda r: sync[r["seed"]]["acc_after"] if r["seed"] in sync else float("nan")),
                       paired_gap(rs, lambda r: r["sync_delayed"])]
         else:
             cells += ["", ""]
         cells.append(cpus(rs))
-        lines.append(f"| {label} | {len(rs)} | {_spread([r['acc_before'] for r in rs])} | " + " | ".join(cells) + " |")
+        before = median_range([r["acc_before"] for r in rs])
+        lines.append(f"| {label} | {len(rs)} | {before} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
