@@ -1,6 +1,6 @@
 """The seams between components, as `typing.Protocol`s.
 
-Each protocol has more than one implementation, or will (see ROADMAP.md): the embedded
+Each protocol has more than one implementation, or will (docs/architecture.md): the embedded
 engine's HTTP client and SGLang behind `GenerationClient`; the ZeroMQ queue behind
 `TrajectorySink`; disk, ZeroMQ and
 torch.distributed weight transports behind `WeightPublisher` / `WeightReceiver`.

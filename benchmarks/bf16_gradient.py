@@ -1,7 +1,7 @@
 """Does a bf16-autocast train step point where the fp32 one does? The demo's GRPO gradient, both ways.
 
 Single runs of the demo once found both async_rl and TRL learning far less under bf16 autocast than
-in fp32 (README, `benchmarks/vs_trl.py`). This measures the step itself, on real batches of the
+in fp32 (benchmarks/results/HISTORY.md, `benchmarks/vs_trl.py`). This measures the step itself, on real batches of the
 demo's task (SmolLM2-135M, 4 prompts x 8 answers sampled at temperature 0.7, 24 new tokens, GRPO
 advantages, the trainer's own `token_logprobs` and decoupled PPO loss at ratio 1):
 

@@ -1,4 +1,4 @@
-"""`make demo`'s run, several times: the README's demo row as medians (min-max) over the runs.
+"""`make demo`'s run, several times: the README's per-CPU demo rows as medians (min-max) over the runs.
 
     python benchmarks/demo.py                  # 3 runs of configs/smollm2_arith.yaml, as `make demo` runs it
     python benchmarks/demo.py --avx2           # the same on AVX2 kernels (emulates an AVX2-only CPU)

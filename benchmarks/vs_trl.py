@@ -19,7 +19,7 @@ on the same 128 held-out sums (greedy, 24 tokens) every `eval_every` steps.
   `transformers` generation (no vLLM on a CPU), fp32 weights with the whole run under bf16 autocast
   where the CPU runs bf16 natively (as async_rl's `dtype: auto`), all cores. Its evaluation
   pauses training; its time is left out of TRL's wall clock. Under bf16 autocast TRL hardly learns
-  on this task (measured, README): compare at each side's best with `--trl autocast=false
+  on this task (measured, benchmarks/results/HISTORY.md): compare at each side's best with `--trl autocast=false
   learning_rate=2e-5 gradient_checkpointing=false` (the demo config already trains async_rl in fp32 at 2e-5).
 
 Per run: held-out accuracy before, at every evaluation and after, and the training wall clock

@@ -1,4 +1,4 @@
-"""Imports go one way (STYLE.md): a small AST walk fails on an upward or sideways import."""
+"""Imports go one way (docs/architecture.md): a small AST walk fails on an upward or sideways import."""
 
 import ast
 from pathlib import Path
@@ -74,7 +74,7 @@ def _module_graph() -> dict[str, set[str]]:
 
 
 def test_no_import_circles():
-    """STYLE.md: a module that serves several sits below them; the one that wires them imports them, never
+    """A module that serves several sits below them; the one that wires them imports them, never
     the other way round. A circle hidden in a function-level import counts too."""
     graph, circles, state = _module_graph(), [], {}
 

@@ -22,7 +22,7 @@ def _loss(logprobs, prox, behav, adv, mask, eps=EPS, cap=CAP):
 
 
 def _reference(lp, prox, behav, adv, mask, eps, cap):
-    """The formula of DESIGN.md written out token by token in plain Python."""
+    """The formula of docs/architecture.md written out token by token in plain Python."""
     total, n = 0.0, 0
     for t in range(len(lp)):
         if not mask[t]:

@@ -38,7 +38,7 @@ def require_megatron() -> Any:
                          f"this environment has {version}; {_INSTALL}")
     import warnings
 
-    # Known, and said in README: without Apex / Transformer Engine megatron uses torch's own norms and
+    # Known, and said in docs/training.md: without Apex / Transformer Engine megatron uses torch's own norms and
     # kernels. Printed by every trainer process at import and at every layer spec otherwise.
     for message in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
