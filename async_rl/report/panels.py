@@ -190,6 +190,30 @@ def _engine_idle(run: RunData, ax: Axes) -> None:
                 ylabel="% of time idle", markers=True, ylim=(0, max([100.0, *ys])))
 
 
+def _lines(title: str, ylabel: str, keys: list[tuple[str, str]], *, log: bool = False) -> Chart:
+    """One chart of several train/ metrics (the ones the run logged), each a line over train steps."""
+    def draw(run: RunData, ax: Axes) -> None:
+        curves = {label: run.series("train", key) for key, label in keys if run.has("train", key)}
+        plot_curves(curves, ax=ax, title=title, xlabel=XLABELS["step"], ylabel=ylabel, markers=True, legend=True)
+        if log and all(y > 0 for _, ys in curves.values() for y in ys):
+            ax.set_yscale("log")
+    return Chart(title, needs_any("train", *[key for key, _ in keys]), draw)
+
+
+LEARNING = (
+    _lines("Policy entropy and drift", "nats per token", [
+        ("train/entropy", "entropy of the trained tokens"), ("train/kl_init", "KL(start || now), probe"),
+        ("train/kl_prev", "KL(v-1 || v), last update"), ("train/logprob_mismatch_kl", "engine/trainer mismatch")]),
+    _lines("Gradient and clipping", "L2 norm / share", [
+        ("train/grad_norm", "grad norm before clipping"), ("train/grad_norm_clipped", "after clipping"),
+        ("train/clip_frac", "PPO clip fraction"), ("train/behav_capped_frac", "behaviour weight over the cap")]),
+    _lines("Batches", "share", [
+        ("train/zero_var_groups_frac", "groups without reward variance"), ("train/truncated_frac", "cut answers"),
+        ("train/reward_mean", "reward")]),
+    _curve("train", "train/response_len_mean", "mean", "Response length", "tokens", markers=True),
+)
+
+
 PANELS: dict[str, Panel] = {
     "reward": Panel("Train reward", "Mean reward of each trained batch (faint) and its trailing mean.", (
         _curve("train", "train/reward_mean", "reward", "Over train steps", "mean reward", smoothed=True),
@@ -233,4 +257,7 @@ PANELS: dict[str, Panel] = {
     "optimisation": Panel("Optimisation", "Decoupled-PPO loss and gradient norm per train step.", (
         _curve("train", "train/loss", "loss", "Loss", "decoupled-PPO loss"),
         _curve("train", "train/grad_norm", "grad norm", "Gradient norm (before clipping)", "L2 norm"))),
+    "learning": Panel("Learning diagnostics", "What moves before a run falls back: the policy's entropy, its KL "
+                      "to the starting weights (a probe of the first step's responses) and to the version before, "
+                      "the gradient before and after clipping, and the batches' groups without signal.", LEARNING),
 }

@@ -53,18 +53,28 @@ def _plain_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linea
     return decoder, head
 
 
-def _pick(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float) -> torch.Tensor:
-    """logits [n, V] (any dtype), targets [n] -> [n] float32 log-probs of the targets."""
+def _pick(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, entropy: bool = False) -> torch.Tensor:
+    """logits [n, V] (any dtype), targets [n] -> [n] float32 log-probs of the targets; with `entropy`,
+    [n, 2]: the log-probs and, detached, the entropy of each position's distribution (the same
+    temperature), from the logits already in hand (no second forward)."""
     logits = logits.float()
     if inv_temp != 1.0:
         logits = logits * inv_temp
-    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)  # [n]
+    picked = logits.gather(-1, targets[:, None])[:, 0] - lse
+    if not entropy:
+        return picked
+    with torch.no_grad():
+        # H = logsumexp(z) - sum_v p_v z_v
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return torch.stack([picked, ent.detach()], dim=-1)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    inv_temp: float) -> torch.Tensor:
-    """hidden [n, H], targets [n] -> [n]; the matmul runs in the model's dtype, like the engine's."""
-    return _pick(F.linear(hidden, weight, bias), targets, inv_temp)
+                    inv_temp: float, entropy: bool = False) -> torch.Tensor:
+    """hidden [n, H], targets [n] -> [n] (with `entropy`: [n, 2], see `_pick`); the matmul runs in the
+    model's dtype, like the engine's."""
+    return _pick(F.linear(hidden, weight, bias), targets, inv_temp, entropy)
 
 
 def chunked_logprobs(pick: Callable[..., torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, *args,
@@ -83,8 +93,11 @@ def chunked_logprobs(pick: Callable[..., torch.Tensor], hidden: torch.Tensor, ta
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                    temperature: float, *, score_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None, chunk_tokens: int = 1024) -> torch.Tensor:
+                   position_ids: torch.Tensor | None = None, chunk_tokens: int = 1024,
+                   entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[B, L-1] float32: log p(input_ids[:, j+1] | its sequence up to j) under log_softmax(logits / temperature).
+    With `entropy`, a pair: those log-probs and [B, L-1] the entropy of the policy's next-token
+    distribution at the same positions (detached; 0 where not scored).
 
     Padded rows: `attention_mask` [B, L], 1 on real tokens, right-padded. Packed rows:
     `attention_mask` None and `position_ids` [B, L] restarting at 0 for every sequence (see
@@ -109,15 +122,19 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     with packed_attention(getattr(model, "config", None), packed) as extra:
         if split is None:
             logits = model(**inputs, **extra).logits
-            picked = _pick(logits[:, :-1][rows, cols], targets, inv_temp)  # [N]
+            picked = _pick(logits[:, :-1][rows, cols], targets, inv_temp, entropy)  # [N] or [N, 2]
         else:
             decoder, head = split
             hidden = decoder(**inputs, **extra).last_hidden_state
             h = hidden[:, :-1][rows, cols]  # [N, H]
-            picked = chunked_logprobs(_chunk_logprobs, h, targets, head.weight, head.bias, inv_temp,
+            picked = chunked_logprobs(_chunk_logprobs, h, targets, head.weight, head.bias, inv_temp, entropy,
                                       chunk_tokens=chunk_tokens)
     out = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device)
-    return out.index_put((rows, cols), picked)
+    if not entropy:
+        return out.index_put((rows, cols), picked)
+    picked = picked.reshape(-1, 2)  # no scored position: [0] from chunked_logprobs
+    ent = torch.zeros(B, L - 1, dtype=torch.float32, device=input_ids.device)
+    return out.index_put((rows, cols), picked[:, 0]), ent.index_put((rows, cols), picked[:, 1].detach())
 
 
 def probe_sequences(vocab: int) -> list[list[int]]:

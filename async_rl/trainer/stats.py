@@ -6,8 +6,9 @@ gradient norms.
     acc = StatsAccumulator()
     acc.add({"clip_frac": 0.1, "behav_weight_max": 1.3}, weight=120)   # measured on 120 tokens
     acc.add_total("loss", 0.42)                                         # a part of this minibatch's loss
-    acc.add_grad_norm(0.9)                                              # one per optimizer step
-    acc.result()  # {"train/clip_frac": ..., "train/behav_weight_max": ..., "train/loss": ..., "train/grad_norm": ...}
+    acc.add_grad_norm(2.5, max_norm=1.0)                                # one per optimizer step
+    acc.result()  # {"train/clip_frac": ..., "train/behav_weight_max": ..., "train/loss": ..., "train/grad_norm": 2.5,
+                  #  "train/grad_norm_clipped": 1.0, "train/grad_clipped_frac": 1.0}
 
 Values and weights may be 0-dim tensors on the trainer's device (a loss's stats, a token count
 measured on the device): they are added up there, and `read()` copies them all to the host in
@@ -16,11 +17,13 @@ one transfer, once per step, so no micro-batch waits for the device to report it
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
+from async_rl.trainer.advantages import no_signal
 from async_rl.types import Trajectory
 
 Value = float | torch.Tensor
@@ -54,6 +57,7 @@ class StatsAccumulator:
         self.maxes: dict[str, Value] = {}
         self.totals: dict[str, Value] = {}
         self.norms: list[float] = []
+        self.clipped_norms: list[float] = []
 
     def add(self, stats: dict[str, Value], weight: Value) -> None:
         for key, value in stats.items():
@@ -66,8 +70,12 @@ class StatsAccumulator:
     def add_total(self, key: str, value: Value) -> None:
         self.totals[key] = self.totals.get(key, 0.0) + value
 
-    def add_grad_norm(self, norm: float) -> None:
+    def add_grad_norm(self, norm: float, max_norm: float = 0.0) -> None:
+        """The gradient norm of one optimizer step before clipping, and what clipping at `max_norm`
+        (0 = off) left: torch's clip_grad_norm_ scales by max_norm / (norm + 1e-6) where that is < 1."""
         self.norms.append(norm)
+        scale = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 and math.isfinite(norm) else 1.0
+        self.clipped_norms.append(norm * scale)
 
     def read(self) -> None:
         """Every value that is still a tensor becomes a float (one device-to-host copy for all)."""
@@ -82,6 +90,9 @@ class StatsAccumulator:
         out.update({f"train/{k}": v for k, v in self.maxes.items()})
         out.update({f"train/{k}": v / max(1, len(self.norms)) for k, v in self.totals.items()})
         out["train/grad_norm"] = float(np.mean(self.norms)) if self.norms else 0.0
+        out["train/grad_norm_clipped"] = float(np.mean(self.clipped_norms)) if self.clipped_norms else 0.0
+        out["train/grad_clipped_frac"] = (float(np.mean([c < n for c, n in zip(self.clipped_norms, self.norms)]))
+                                          if self.norms else 0.0)
         return out
 
 
@@ -106,6 +117,18 @@ def arrival_stats(trajs: list[Trajectory], kept: list[Trajectory]) -> dict[str, 
         "train/num_trajectories": float(len(kept)),
         "rollout/interrupted": float(sum(1 for t in trajs if t.num_interruptions > 0)),
     }
+
+
+def group_stats(trajs: list[Trajectory]) -> dict[str, Any]:
+    """The trained groups' rewards: each group's mean (`train/group_reward_means`, in arrival order; with
+    a 0/1 reward a group at 1 is solved by every sample, at 0 by none), and the share of groups without
+    reward variance (`train/zero_var_groups_frac`): their advantages are 0, so they train nothing."""
+    groups: dict[Any, list[float]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(float(t.reward))
+    rewards = [np.array(r) for r in groups.values()]
+    return {"train/group_reward_means": [float(r.mean()) for r in rewards],
+            "train/zero_var_groups_frac": sum(1 for r in rewards if no_signal(r)) / max(1, len(rewards))}
 
 
 def version_stats(trajs: list[Trajectory], policy_version: int, max_staleness: int) -> dict[str, Any]:

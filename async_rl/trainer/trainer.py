@@ -39,11 +39,12 @@ import torch
 from async_rl.config import TrainerConfig
 from async_rl.trainer.advantages import get_advantage
 from async_rl.trainer.batching import Batch, collate, trained_tokens
+from async_rl.trainer.kl_probe import KlProbe
 from async_rl.trainer.logprobs import packing_error, token_logprobs
 from async_rl.trainer.loss import get_loss, get_loss_agg, kl_penalty, logprob_mismatch
 from async_rl.trainer.lr_schedule import get_lr_schedule
 from async_rl.trainer.plan import Minibatch, Share, plan_minibatch, score_mask
-from async_rl.trainer.stats import StatsAccumulator, arrival_stats, staleness_stats, version_stats
+from async_rl.trainer.stats import StatsAccumulator, arrival_stats, group_stats, staleness_stats, version_stats
 from async_rl.types import STALE_MASKED, Trajectory
 from async_rl.utils.hardware import resolve_dtype
 from async_rl.utils.weights import WeightSource
@@ -59,7 +60,8 @@ _NO_UPDATE = {"train/loss": 0.0, "train/grad_norm": 0.0, "train/clip_frac": 0.0,
               "train/behav_capped_frac": 0.0, "train/behav_masked_frac": 0.0, "train/staleness_max": 0.0,
               "train/staleness_mean": 0.0, "train/num_tokens": 0.0, "train/optimizer_steps": 0.0,
               "train/skipped_nonfinite": 0.0, "train/logprob_mismatch_mean": 0.0, "train/logprob_mismatch_max": 0.0,
-              "train/logprob_mismatch_kl": 0.0, "train/logprob_mismatch_frac": 0.0}
+              "train/logprob_mismatch_kl": 0.0, "train/logprob_mismatch_frac": 0.0, "train/kl_prev": 0.0,
+              "train/kl_prev_frac": 0.0, "train/grad_norm_clipped": 0.0, "train/grad_clipped_frac": 0.0}
 
 
 def split_by_age(trajs: list[Trajectory], policy_version: int, max_staleness: int,
@@ -90,6 +92,7 @@ class PPOTrainer:
     """Decoupled PPO on an HF causal LM; `policy_version` is the version of the current weights."""
 
     can_pack = True  # micro-batches may be packed rows (a backend whose model cannot take them says False)
+    can_probe = True  # may run a forward of its own (the KL probe); ranks in lock step run only what rank 0 sends
 
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, *, temperature: float, max_staleness: int,
                  seed: int, policy_version: int = 0, loss: str | None = None):
@@ -117,6 +120,7 @@ class PPOTrainer:
         self._rng = np.random.default_rng(seed)  # minibatch assignment; the only randomness here
         self.hf_export = None  # set by a backend: makes each checkpoint a Hugging Face model directory
         self.packed = self.can_pack and cfg.pack_sequences is not False and self._packing_holds(cfg.pack_sequences)
+        self.kl_probe = KlProbe(cfg.kl_probe_seqs if self.can_probe else 0)  # train/kl_init (trainer/kl_probe.py)
 
     # ------------------------------------------------------------------ public
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
@@ -131,6 +135,7 @@ class PPOTrainer:
         stats["train/stale_masked_tokens"] = float(sum(masked))
         stats["train/dropped_future"] = float(len(future))
         stats.update(version_stats(trajs, self.policy_version, self.max_staleness))
+        stats.update(group_stats(kept))
         if not kept:
             logger.warning("batch of %d trajectories dropped whole at version %d: %d sampled more than %d versions "
                            "before, %d by newer weights than these -- no train step, the version stays",
@@ -139,9 +144,14 @@ class PPOTrainer:
             stats["train/skipped_batch"] = 1.0
             stats["timing/train_s"] = time.perf_counter() - t0
             return stats
+        self.kl_probe.capture(kept, self.policy_version, self._probe_batch, self._logprobs)
         stats.update(self._update(kept))
         stats["train/skipped_batch"] = 0.0
         self.policy_version += 1
+        t1 = time.perf_counter()
+        if self.kl_probe.ready:
+            stats.update(self.kl_probe.measure(self._logprobs))
+            stats["timing/kl_probe_s"] = time.perf_counter() - t1
         stats["timing/train_s"] = time.perf_counter() - t0
         return stats
 
@@ -219,7 +229,7 @@ class PPOTrainer:
                     self._accumulate(batch, share.tokens[k], prox[m][k] if prox is not None else None,
                                      ref[m][k] if ref is not None else None, acc)
                 norm = self._clip_grads()
-                acc.add_grad_norm(norm)
+                acc.add_grad_norm(norm, self.cfg.grad_clip)
                 if math.isfinite(norm):
                     self.optimizer.step()
                     steps += 1
@@ -238,7 +248,7 @@ class PPOTrainer:
                     acc: StatsAccumulator) -> None:
         """Forward + backward of one micro-batch of `tokens` trained tokens; its loss is its part of the
         minibatch's (batch.loss_weights). Its stats stay tensors: nothing here waits for the device."""
-        logprobs = self._logprobs(batch)  # [B, L-1]
+        logprobs, entropy = self._logprobs_entropy(batch)  # [B, L-1] each (entropy None: not measured)
         # one minibatch: these weights are the proximal policy, so this forward is the recompute
         prox_lp = logprobs.detach() if prox is None else prox
         loss, s = self.loss_fn(logprobs, prox_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask,
@@ -249,6 +259,8 @@ class PPOTrainer:
             loss = loss + self.cfg.kl_coef * kl
             s.update(kl_stats)
         loss.backward()
+        if entropy is not None:
+            s["entropy"] = (entropy * batch.loss_mask).sum() / max(1, tokens)
         acc.add(s, tokens)
         acc.add_total("loss", loss.detach())
         # tokens the current weights sampled: prox_lp is the trainer's view of those very weights
@@ -256,21 +268,36 @@ class PPOTrainer:
                                               self.policy_version)
         acc.add(mismatch, measured)
         acc.add({"logprob_mismatch_frac": measured / max(1, tokens)}, tokens)
+        # tokens the version before sampled: the same measure is then KL(pi_{v-1} || pi_v) of the last update,
+        # on its own samples, plus the mismatch above (its floor)
+        prev, measured = logprob_mismatch(prox_lp, batch.behav_logprobs, batch.versions, batch.loss_mask,
+                                          self.policy_version - 1)
+        acc.add({"kl_prev": prev["logprob_mismatch_kl"]}, measured)
+        acc.add({"kl_prev_frac": measured / max(1, tokens)}, tokens)
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, L-1] log-probs of the batch's trained tokens under the current weights."""
         with self._autocast():
             return self._score(batch.input_ids, *self._layout(batch), score_mask(batch))
 
+    def _logprobs_entropy(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_logprobs` and [B, L-1] the policy's entropy at the same positions, from the same logits."""
+        with self._autocast():
+            return self._score(batch.input_ids, *self._layout(batch), score_mask(batch), entropy=True)
+
     def _layout(self, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(attention_mask, position_ids) of `token_logprobs`: packed rows pass only the positions."""
         return (None, batch.position_ids) if self.packed else (batch.attention_mask, None)
 
     def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-               score: torch.Tensor | None) -> torch.Tensor:
+               score: torch.Tensor | None, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The policy's forward: `token_logprobs` (a sharded backend runs its root module instead)."""
         return token_logprobs(self.model, input_ids, attention_mask, self.temperature, score_mask=score,
-                              position_ids=position_ids)
+                              position_ids=position_ids, entropy=entropy)
+
+    def _probe_batch(self, trajs: list[Trajectory]) -> Batch:
+        """`trajs` as one micro-batch in this trainer's layout on its device (the KL probe's; nothing trained)."""
+        return collate(trajs, torch.zeros(len(trajs)), list(range(len(trajs))), packed=self.packed).to(self.device)
 
     # Seams for data-parallel backends (trainer/backends/): which micro-batches this process
     # runs, and how its token-weighted stats combine with the other processes'.

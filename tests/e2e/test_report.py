@@ -14,7 +14,8 @@ from async_rl.report import RunDirError, compare_runs, load_run, plot_curves, wr
 from async_rl.report.panels import PANELS, draw_panel, engine_idle_share
 from tests.e2e.clitools import FINISHED_STEPS, cli, cli_here
 
-ALWAYS = ["reward", "accuracy", "throughput", "staleness", "queue", "interruptions", "idle", "optimisation"]
+ALWAYS = ["reward", "accuracy", "throughput", "staleness", "queue", "interruptions", "idle", "optimisation",
+          "learning"]
 
 
 def assert_png(path: Path, min_px: int = 300) -> None:
@@ -129,7 +130,9 @@ def synthetic_run(run_dir: Path, steps: int = 12, eta: int = 2, extra: bool = Tr
                "queue/depth": s % 3, "rollout/interrupted": s % 2, "train/loss": 0.1, "train/grad_norm": 1.0}
         if extra:
             row |= {"train/staleness_hist": [8, 6, 2][: eta + 1], "train/versions_per_traj_mean": 1.2,
-                    "timing/idle_s": 0.3}
+                    "timing/idle_s": 0.3, "train/entropy": 1.0 - s / steps, "train/kl_init": 0.01 * s,
+                    "train/grad_norm_clipped": 0.5, "train/zero_var_groups_frac": 0.25,
+                    "train/response_len_mean": 10.0 + s}
         train.append(row)
     _rows(run_dir / "metrics.jsonl", train)
     _rows(run_dir / "rollout_metrics.jsonl", [
@@ -166,6 +169,10 @@ def test_panels_plot_the_runs_own_numbers(tmp_path):
     assert interrupted == [[float(s % 2) for s in range(12)]] and update == [[0.1] * 12]
     loss, grad = plotted(draw_panel(run, PANELS["optimisation"]).figure)
     assert loss == [[0.1] * 12] and grad == [[1.0] * 12]
+    drift, clipping, batches, length = plotted(draw_panel(run, PANELS["learning"]).figure)
+    assert drift == [[1.0 - s / 12 for s in range(12)], [0.01 * s for s in range(12)]]
+    assert clipping == [[1.0] * 12, [0.5] * 12] and batches == [[0.25] * 12, rewards]
+    assert length == [[10.0 + s for s in range(12)]]
 
 
 def test_missing_metrics_skip_their_panel_and_say_so(tmp_path):

@@ -49,7 +49,9 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
         for key in ("train/reward_mean", "train/loss", "train/staleness_max", "train/dropped_stale",
-                    "rollout/interrupted", "queue/depth", "timing/step_s"):
+                    "rollout/interrupted", "queue/depth", "timing/step_s", "train/entropy", "train/kl_init",
+                    "train/kl_prev", "train/grad_norm_clipped", "train/zero_var_groups_frac",
+                    "train/group_reward_means"):
             assert key in r, key
         assert r["train/staleness_max"] <= eta  # what was kept
     if "rollout.pace=true" in extra:

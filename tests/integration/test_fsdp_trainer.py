@@ -149,7 +149,8 @@ def _assert_same_training(ref_stats: list[dict], ref_weights: dict, got: dict) -
     """Losses, stats and weights of an FSDP run equal the single-process run's within TOL."""
     for ref, ours in zip(ref_stats, got["stats"]):
         for key in ("train/loss", "train/clip_frac", "train/approx_kl", "train/behav_weight_max",
-                    "train/grad_norm", "train/num_tokens", "train/staleness_max"):
+                    "train/grad_norm", "train/num_tokens", "train/staleness_max", "train/entropy",
+                    "train/grad_norm_clipped", "train/kl_prev"):
             assert abs(ref[key] - ours[key]) <= TOL, (key, ref[key], ours[key])
     assert list(got["weights"]) == list(ref_weights)  # named as model.state_dict(), same order
     for name, ref in ref_weights.items():

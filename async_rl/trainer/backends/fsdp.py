@@ -55,9 +55,10 @@ class LogprobModel(torch.nn.Module):
         self.temperature = temperature
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, score_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None,
+                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return token_logprobs(self.lm, input_ids, attention_mask, self.temperature, score_mask=score_mask,
-                              position_ids=position_ids)
+                              position_ids=position_ids, entropy=entropy)
 
 
 class FSDPTrainer(SPMDTrainer):
@@ -103,8 +104,8 @@ class FSDPTrainer(SPMDTrainer):
 
     # ------------------------------------------------------------------ PPOTrainer seams
     def _score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-               score: torch.Tensor | None) -> torch.Tensor:
-        return self.model(input_ids, attention_mask, score, position_ids)
+               score: torch.Tensor | None, entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, attention_mask, score, position_ids, entropy)
 
     def _clip_grads(self) -> float:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")

@@ -206,6 +206,10 @@ class MegatronTrainer(SPMDTrainer):
         with self._autocast():
             return self.model(batch.input_ids, batch.attention_mask, score_mask(batch))
 
+    def _logprobs_entropy(self, batch: Batch) -> tuple[torch.Tensor, None]:
+        """No entropy here: the vocabulary is split over the TP ranks (its sum would be one more all-reduce)."""
+        return self._logprobs(batch), None
+
     def _clip_grads(self) -> float:
         """Sum the minibatch's gradients over the data-parallel ranks, then clip by the norm of the whole
         model: TP shards add up across the TP group, replicated parameters count once (TP rank 0)."""

@@ -111,6 +111,7 @@ class SPMDTrainer(PPOTrainer):
     world_size: int
     dp_size: int
     stats_group: dist.ProcessGroup | None = None  # the ranks whose stats add up (the data-parallel ones)
+    can_probe = False  # a forward is a collective: the KL probe would leave the other ranks behind
 
     def dp_rank_of(self, rank: int) -> int:
         raise NotImplementedError
