@@ -181,10 +181,12 @@ def load_model(cfg: ModelConfig, seed: int = 0, tokenizer=None, device: torch.de
     return model.to(device=device, dtype=dtype).eval()
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template, ready for the assistant turn."""
-    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    **template_kwargs) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ready for the assistant turn
+    (`template_kwargs` go to `apply_chat_template`: add_generation_prompt=False, template variables)."""
+    template_kwargs.setdefault("add_generation_prompt", True)
+    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False, **template_kwargs)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return [int(t) for t in out]

@@ -6,8 +6,11 @@ include_usage`), `usage`, `logprobs` + `top_logprobs`, `stop`, `max_tokens` /
 `max_completion_tokens`, `temperature`, `top_p`, `seed`, `n` (n > 1 only without
 streaming), `presence_penalty` / `frequency_penalty` (OpenAI's meaning and range [-2, 2]:
 minus the penalty once a token is in the output, minus it per occurrence; the reported
-log-probs stay the policy's), and the vLLM/SGLang extensions `top_k`, `ignore_eos`,
-`stop_token_ids`. Other unknown fields are refused (400).
+log-probs stay the policy's), `logit_bias`, and the vLLM/SGLang extensions of
+`async_rl.engine.openai_fields` (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, ...):
+applied, or, where the engine cannot honour one, refused naming it unless it holds its neutral
+value. Fields neither vLLM nor SGLang knows are refused (400).
 
 For RL, every answer also carries the exact tokens: `prompt_token_ids` (top level),
 and per choice `token_ids` and `meta_info` (per-token policy versions and log-probs, as
@@ -38,7 +41,9 @@ from pydantic import StrictInt
 
 from async_rl.engine.async_engine import AsyncEngine, RequestHandle
 from async_rl.engine.llm_engine import EngineInputError
-from async_rl.engine.http_common import ApiError, Strict, finish_all_or_disconnect, sse
+from async_rl.engine.http_common import ApiError, finish_all_or_disconnect, sse
+from async_rl.engine.openai_fields import (ChatExtensions, ChatUnsupported, SamplingExtensions, Unsupported,
+                                           keeps_stop_string, refuse_unhonoured, sampling_wire, template_kwargs)
 from async_rl.engine.sglang_api import meta_info
 from async_rl.models import chat_prompt_ids
 from async_rl.tool_parsers import (ToolParser, build_tool_parser, chat_template_messages, openai_assistant_message,
@@ -48,11 +53,7 @@ from async_rl.types import GenerationOutput, SamplingParams, new_id
 MAX_N = 64  # most choices one request may ask for
 
 
-class StreamOptions(Strict):
-    include_usage: bool = False
-
-
-class _Common(Strict):
+class _Common(SamplingExtensions, Unsupported):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -60,16 +61,11 @@ class _Common(Strict):
     n: StrictInt = 1
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None
-    top_k: StrictInt | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[StrictInt] | None = None
 
 
-class ChatRequest(_Common):
+class ChatRequest(_Common, ChatExtensions, ChatUnsupported):
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # accepted; the model decides (no constrained decoding)
@@ -85,26 +81,32 @@ class CompletionRequest(_Common):
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None  # legacy API: how many top tokens per position (0 = only the sampled one)
     echo: bool = False
+    add_special_tokens: bool = True  # the tokenizer's BOS etc. around a text prompt
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> str:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[:min(hits)] if hits else text
+def _cut_at_stop(text: str, stops: list[str], keep: bool = False) -> str:
+    """The text up to the first stop string (through it with `keep`)."""
+    hits = [(i, len(s)) for s in stops if (i := text.find(s)) >= 0]
+    if not hits:
+        return text
+    at, length = min(hits)
+    return text[:at + length] if keep else text[:at]
 
 
 class _TextStream:
     """Incremental detokenisation: text not yet sent, holding back what may still become a stop
     string or an incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
+    def __init__(self, tokenizer: Any, req: _Common):
+        self.tokenizer, self.stops, self.req = tokenizer, _OpenAI.stops(req), req
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
 
     def push(self, ids: list[int], final: bool) -> str:
         self.ids += ids
-        text = _cut_at_stop(self.tokenizer.decode(self.ids, skip_special_tokens=True), self.stops)
+        text = _cut_at_stop(self.tokenizer.decode(self.ids, skip_special_tokens=self.req.skip_special_tokens),
+                            self.stops, keeps_stop_string(self.req))
         safe = len(text) if final else len(text.rstrip("\ufffd")) - self.hold
         piece = text[self.sent:max(self.sent, safe)]
         self.sent += len(piece)
@@ -126,10 +128,9 @@ class _OpenAI:
         if max_new is None:  # OpenAI's default: as long as the context allows
             max_new = max(1, min(self.engine.max_context - prompt_len, self.engine.max_new_tokens_limit))
         wire = {"max_new_tokens": max_new, "temperature": 1.0 if req.temperature is None else req.temperature,
-                "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": -1 if req.top_k is None else req.top_k,
-                "stop": self.stops(req), "stop_token_ids": req.stop_token_ids or [], "ignore_eos": req.ignore_eos,
-                "seed": seed, "top_logprobs": top, "presence_penalty": req.presence_penalty,
-                "frequency_penalty": req.frequency_penalty}
+                "top_p": 1.0 if req.top_p is None else req.top_p, "stop": self.stops(req), "seed": seed,
+                "top_logprobs": top, "presence_penalty": req.presence_penalty,
+                "frequency_penalty": req.frequency_penalty, **sampling_wire(req)}
         try:
             return SamplingParams.from_wire(wire)
         except ValueError as exc:
@@ -168,8 +169,21 @@ class _OpenAI:
         done = sum(len(o.output_ids) for o in outs)
         return {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}
 
-    def token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def token_str(self, token_id: int, as_id: bool | None = False) -> str:
+        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def text(self, ids: list[int], req: _Common) -> str:
+        """The answer's text: decoded as the request asks, cut at a stop string (or through it)."""
+        return _cut_at_stop(self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens), self.stops(req),
+                            keeps_stop_string(req))
+
+    @staticmethod
+    def stream_usage(req: _Common, prompt_len: int, done: int) -> dict[str, Any]:
+        """vLLM's `stream_options.continuous_usage_stats`: the usage so far, in every chunk."""
+        opts = req.stream_options
+        if not (opts and opts.continuous_usage_stats):
+            return {}
+        return {"usage": {"prompt_tokens": prompt_len, "completion_tokens": done, "total_tokens": prompt_len + done}}
 
     # ------------------------------------------------------------------ chat
     def chat_prompt(self, req: ChatRequest) -> list[int]:
@@ -179,28 +193,30 @@ class _OpenAI:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         try:
-            return chat_prompt_ids(tok, messages, req.tools)
+            return chat_prompt_ids(tok, messages, req.tools, **template_kwargs(req))
         except Exception as exc:  # jinja errors of a template that does not fit these messages
             raise ApiError(400, f"messages: the chat template failed: {str(exc).splitlines()[0] if str(exc) else exc!r}") \
                 from None
 
-    def chat_logprobs(self, ids: list[int], lps: list[float], tops: list | None) -> dict[str, Any]:
+    def chat_logprobs(self, ids: list[int], lps: list[float], tops: list | None,
+                      as_ids: bool | None = False) -> dict[str, Any]:
         content = []
         for j, (t, lp) in enumerate(zip(ids, lps)):
-            s = self.token_str(t)
-            alts = [{"token": (a := self.token_str(tid)), "logprob": alp, "bytes": list(a.encode())}
+            s = self.token_str(t, as_ids)
+            alts = [{"token": (a := self.token_str(tid, as_ids)), "logprob": alp, "bytes": list(a.encode())}
                     for tid, alp in (tops[j] if tops else [])]
             content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": alts})
         return {"content": content}
 
     def reply(self, out: GenerationOutput, req: ChatRequest) -> tuple[dict[str, Any], str]:
         """The assistant message of one choice and its finish reason (tool calls parsed when tools were given)."""
-        text = _cut_at_stop(self.tokenizer.decode(out.output_ids, skip_special_tokens=True), self.stops(req))
+        text = self.text(out.output_ids, req)
         if not req.tools:
             return {"role": "assistant", "content": text}, out.finish_reason
         return openai_assistant_message(text, self.parser, out.finish_reason)
 
     async def chat(self, req: ChatRequest, request: Request) -> Any:
+        refuse_unhonoured(req, chat=True)
         prompt = self.chat_prompt(req)
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs: needs logprobs=true")
@@ -216,8 +232,8 @@ class _OpenAI:
         if outs is None:
             return Response(status_code=499)
         choices = [{"index": i, "message": message,
-                    "logprobs": self.chat_logprobs(o.output_ids, o.output_logprobs, o.output_top_logprobs)
-                    if req.logprobs else None,
+                    "logprobs": self.chat_logprobs(o.output_ids, o.output_logprobs, o.output_top_logprobs,
+                                                   req.return_tokens_as_token_ids) if req.logprobs else None,
                     "finish_reason": reason, **self.extras(o)}
                    for i, o in enumerate(outs) for message, reason in [self.reply(o, req)]]
         return {**self.base(rid, "chat.completion"), "choices": choices, "usage": self.usage(len(prompt), outs),
@@ -234,26 +250,29 @@ class _OpenAI:
     async def chat_stream(self, rid: str, handle: RequestHandle, req: ChatRequest,
                           prompt: list[int]) -> AsyncIterator[str]:
         base = self.base(rid, "chat.completion.chunk")
+        done = 0
 
         def chunk(delta: dict[str, Any], **extra: Any) -> str:
             return sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
-                                             **extra}]})
+                                             **extra}], **self.stream_usage(req, len(prompt), done)})
         try:
             yield sse({**base, "prompt_token_ids": prompt, "choices": [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-            text = _TextStream(self.tokenizer, self.stops(req))
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                **self.stream_usage(req, len(prompt), 0)})
+            text, as_ids = _TextStream(self.tokenizer, req), req.return_tokens_as_token_ids
             async for d in handle:
                 reason = d.output.finish_reason if d.finished else None
+                done += len(d.new_token_ids)
                 if req.tools:  # buffered: the calls are known only once the turn is complete
                     if d.finished:
                         delta, reason = self.buffered_delta(d.output, req)
                         lp = self.chat_logprobs(d.output.output_ids, d.output.output_logprobs,
-                                                d.output.output_top_logprobs) if req.logprobs else None
+                                                d.output.output_top_logprobs, as_ids) if req.logprobs else None
                         yield chunk(delta, logprobs=lp, token_ids=d.output.output_ids)
                 else:
                     piece = text.push(d.new_token_ids, d.finished)
                     if d.new_token_ids:
-                        lp = self.chat_logprobs(d.new_token_ids, d.new_logprobs, d.new_top_logprobs) \
+                        lp = self.chat_logprobs(d.new_token_ids, d.new_logprobs, d.new_top_logprobs, as_ids) \
                             if req.logprobs else None
                         yield chunk({"content": piece}, logprobs=lp, token_ids=d.new_token_ids)
                 if d.finished:
@@ -270,7 +289,8 @@ class _OpenAI:
         if isinstance(p, str) or (p and isinstance(p[0], str)):
             tok = self.tok("prompt")
             try:
-                return [tok.encode(s) for s in ([p] if isinstance(p, str) else p)]
+                return [tok.encode(s, add_special_tokens=req.add_special_tokens)
+                        for s in ([p] if isinstance(p, str) else p)]
             except (TypeError, ValueError) as exc:  # e.g. a lone surrogate ("\ud800"): valid JSON, not valid Unicode
                 raise ApiError(400, f"prompt: the tokenizer refused it ({exc}); send valid Unicode text or token ids") \
                     from None
@@ -280,16 +300,17 @@ class _OpenAI:
         return prompts  # type: ignore[return-value]
 
     def completion_logprobs(self, ids: list[int], lps: list[float], tops: list | None,
-                            offset: int = 0) -> dict[str, Any]:
-        tokens = [self.token_str(t) for t in ids]
+                            as_ids: bool | None, offset: int = 0) -> dict[str, Any]:
+        tokens = [self.token_str(t, as_ids) for t in ids]
         offsets = []
         for s in tokens:
             offsets.append(offset)
             offset += len(s)
-        top = [{self.token_str(t): lp for t, lp in pos} for pos in tops] if tops is not None else None
+        top = [{self.token_str(t, as_ids): lp for t, lp in pos} for pos in tops] if tops is not None else None
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
     async def completions(self, req: CompletionRequest, request: Request) -> Any:
+        refuse_unhonoured(req, chat=False)
         if req.echo:
             raise ApiError(400, "echo: not supported by this server")
         prompts = self.completion_prompts(req)
@@ -311,10 +332,9 @@ class _OpenAI:
         outs = await finish_all_or_disconnect(handles, request)
         if outs is None:
             return Response(status_code=499)
-        stops = self.stops(req)
-        choices = [{"index": i, "text": _cut_at_stop(self.tokenizer.decode(o.output_ids, skip_special_tokens=True)
-                                                     if self.tokenizer is not None else "", stops),
-                    "logprobs": self.completion_logprobs(o.output_ids, o.output_logprobs, o.output_top_logprobs)
+        choices = [{"index": i, "text": self.text(o.output_ids, req) if self.tokenizer is not None else "",
+                    "logprobs": self.completion_logprobs(o.output_ids, o.output_logprobs, o.output_top_logprobs,
+                                                         req.return_tokens_as_token_ids)
                     if req.logprobs is not None and self.tokenizer is not None else None,
                     "finish_reason": o.finish_reason, **self.extras(o)} for i, o in enumerate(outs)]
         prompt_tokens = sum(len(p) for p in prompts)
@@ -328,18 +348,20 @@ class _OpenAI:
         base = self.base(rid, "text_completion")
         tok = self.tok("prompt")
         try:
-            text, offset = _TextStream(tok, self.stops(req)), 0
+            text, offset, done = _TextStream(tok, req), 0, 0
             async for d in handle:
                 piece = text.push(d.new_token_ids, d.finished)
+                done += len(d.new_token_ids)
                 choice: dict[str, Any] = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None,
                                           "token_ids": d.new_token_ids}
                 if req.logprobs is not None and d.new_token_ids:
                     choice["logprobs"] = self.completion_logprobs(d.new_token_ids, d.new_logprobs,
-                                                                  d.new_top_logprobs, offset)
+                                                                  d.new_top_logprobs, req.return_tokens_as_token_ids,
+                                                                  offset)
                 offset += len(piece)
                 if d.finished:
                     choice.update(finish_reason=d.output.finish_reason, meta_info=self.extras(d.output)["meta_info"])
-                yield sse({**base, "choices": [choice]})
+                yield sse({**base, "choices": [choice], **self.stream_usage(req, len(prompt), done)})
                 if d.finished and req.stream_options and req.stream_options.include_usage:
                     yield sse({**base, "choices": [], "usage": self.usage(len(prompt), [d.output])})
             yield sse("[DONE]")
@@ -353,8 +375,10 @@ class _OpenAI:
 
 def _openai_names(message: str) -> str:
     """Engine/SamplingParams field names -> the names the OpenAI request used."""
-    return (message.replace("sampling_params.max_new_tokens", "max_tokens")
-            .replace("sampling_params.top_logprobs", "top_logprobs").replace("sampling_params.", ""))
+    for ours, theirs in (("sampling_params.", ""), ("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"),
+                         ("no_stop_trim", "include_stop_str_in_output")):
+        message = message.replace(ours, theirs)
+    return message
 
 
 def add_openai_routes(app: FastAPI, engine: AsyncEngine, *, tokenizer: Any, model_name: str) -> None:
