@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -23,10 +24,15 @@ class ConfigError(ValueError):
     """A config file or override is missing, unknown, or ill-typed."""
 
 
+Dtype = Literal["auto", "float32", "bfloat16"]
+
+
 @dataclass
 class ModelConfig:
+    """Which model every side loads (async_rl/models.py), and the engine's dtype."""
+
     name: str = "tiny"  # "tiny" (built in-process), "smollm2-135m" (offline GGUF), or an HF checkpoint dir
-    dtype: str = "auto"  # auto | float32 | bfloat16: the engine's weights; auto = bf16 only where native
+    dtype: Dtype = "auto"  # the engine's weights; auto = bf16 only where native
     # The tiny model and its character tokenizer (used when name == "tiny").
     tiny_alphabet: str = "0123456789+= "  # characters of the tiny tokenizer, besides its special tokens
     tiny_hidden: int = 64  # hidden size of the tiny model
@@ -39,7 +45,9 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    backend: str = "embedded"  # embedded (this project's engine) | sglang (SGLang servers, GPU)
+    """The generation servers: backend, device, batching, KV cache, and the HTTP server's options."""
+
+    backend: Literal["embedded", "sglang"] = "embedded"  # this project's engine | SGLang servers (GPU)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto = CUDA when present)
     host: str = "127.0.0.1"  # address the generation server binds
     port: int = 0  # 0 picks a free port
@@ -60,7 +68,7 @@ class EngineConfig:
     # fp32 on a CPU: GEMMs of steps of <= 128 rows (decodes) and the slab's decode attention through kernels compiled
     # at first use (async_rl/engine/cpu_kernels.py): auto = on AVX2 CPUs (measured faster there) where a C compiler
     # builds them, torch's elsewhere | compiled (required: an error where they cannot build) | torch (always)
-    cpu_kernels: str = "auto"
+    cpu_kernels: Literal["auto", "compiled", "torch"] = "auto"
     num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
     tool_parser: str = "hermes"  # how /v1/chat/completions reads tool calls from the text (async_rl/tool_parsers.py)
@@ -81,12 +89,14 @@ class EngineConfig:
 
 @dataclass
 class TaskConfig:
+    """The prompt stream and its held-out set (async_rl/tasks/)."""
+
     name: str = "arith"  # task registered in async_rl.tasks
     min_operand: int = 0  # smallest operand
     max_operand: int = 4  # largest operand
     ops: list[str] = field(default_factory=lambda: ["+"])  # operators to draw from
-    prompt_format: str = "raw"  # raw ("2+3=") | chat (a question through the chat template)
-    answer_pick: str = "last"  # which number of the response is the answer: last ("2+3=5") | first
+    prompt_format: Literal["raw", "chat"] = "raw"  # raw ("2+3=") | chat (a question through the chat template)
+    answer_pick: Literal["last", "first"] = "last"  # which number of the response is the answer: last ("2+3=5") | first
     eval_size: int = 64  # held-out problems (distinct; at most a third of the task's problems), never trained on
     eval_seed: int = 12345  # seed that picks the held-out problems
     eval_targets: list[float] = field(default_factory=list)  # held-out accuracies whose time to reach the summary gives
@@ -96,6 +106,8 @@ class TaskConfig:
 
 @dataclass
 class RolloutConfig:
+    """The rollout side: sampling, admission under the staleness bound, servers, evaluation."""
+
     group_size: int = 8  # n: samples per prompt (one GRPO group)
     temperature: float = 1.0  # sampling temperature of training rollouts
     top_p: float = 1.0  # nucleus sampling for training rollouts
@@ -124,7 +136,7 @@ class RolloutConfig:
     # requests in flight keep their tokens and recompute their KV under the new weights) | in_place (they
     # keep the KV the old weights computed and go on at once: no recompute; the tokens sampled after the
     # update are labelled with the new version) | abort (they come back partial and are re-submitted)
-    pause_mode: str = "retract"
+    pause_mode: Literal["retract", "in_place", "abort"] = "retract"
     # tokens a generation server gathers per streamed chunk of a rollout request (SGLang's per-request
     # sampling_params.stream_interval; the first token and the end always come at once). The stream is what
     # tells this side the tokens so far if a server dies; 1 = a chunk every step, which costs the server
@@ -144,6 +156,8 @@ class RolloutConfig:
 
 @dataclass
 class AgentConfig:
+    """Agent loops: the tools and simulated users they may use, and the limits of one episode."""
+
     tools_config: str = ""  # YAML file of tools agent loops may call (see async_rl/agent/tools/base.py); "" = none
     interactions_config: str = ""  # YAML file of named interactions (simulated users); "" = none
     tool_parser: str = "hermes"  # how tool calls are read from the model's text (async_rl/tool_parsers.py)
@@ -156,11 +170,14 @@ class AgentConfig:
 
 @dataclass
 class TrainerConfig:
-    backend: str = "single"  # single (one process) | fsdp (world_size processes, FSDP2) | megatron (Megatron-core TP x DP)
+    """The trainer: backend and device, the optimisation step, loss and advantages, checkpoints."""
+
+    # single (one process) | fsdp (world_size processes, FSDP2) | megatron (Megatron-core TP x DP)
+    backend: Literal["single", "fsdp", "megatron"] = "single"
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto = CUDA when present)
     world_size: int = 1  # trainer processes (fsdp, megatron backends)
     tensor_parallel: int = 1  # megatron: ranks that split each layer's tensors; data parallel over world_size / this
-    megatron_spec: str = "auto"  # megatron layers: local (megatron-core's own) | te (Transformer Engine, GPU) | auto
+    megatron_spec: Literal["auto", "local", "te"] = "auto"  # megatron layers: local (megatron-core's own) | te (GPU)
     # packed micro-batches: the trajectories of one back to back in one row (position ids restarting, attention
     # block-diagonal), cut by tokens, not rows x longest. null = auto: single and fsdp pack (padded where the
     # model fails the packing probe), megatron pads; true: pack or refuse (megatron: THD, GPU with te only);
@@ -190,7 +207,7 @@ class TrainerConfig:
     # ones stay as context, out of the loss; dropped only if none is within it). With restart_stale a generation
     # that goes over the bound starts again, which starves long answers; mask keeps them: it needs
     # rollout.restart_stale=false. Either way no trained token is more than max_staleness versions old.
-    stale_tokens: str = "drop"
+    stale_tokens: Literal["drop", "mask"] = "drop"
     # DAPO's dynamic sampling: groups whose rewards are all equal are set aside (consumed, released from the
     # staleness count so as many more are admitted) until the batch holds batch_size trajectories with signal
     dynamic_sampling: bool = False
@@ -217,12 +234,14 @@ class TrainerConfig:
     checkpoint_budget: float = 0.05
     keep_checkpoints: int = 2  # newest checkpoints of this run kept on disk (0 = all)
     resume: bool = False  # start from the newest checkpoint under run_dir/checkpoints (`--resume RUN_DIR`)
-    compute_dtype: str = "auto"  # auto | float32 | bfloat16 (autocast; master weights and optimizer stay fp32)
+    compute_dtype: Dtype = "auto"  # autocast dtype; master weights and optimizer stay fp32
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
 
 
 @dataclass
 class TransportConfig:
+    """The trajectory queue between the two sides: address, capacity, liveness, authentication."""
+
     addr: str = "tcp://127.0.0.1:0"  # trainer binds here, rollout connects (port 0 = free port, local run only)
     capacity: int = 256  # trajectories the trainer buffers; a full buffer blocks producers
     heartbeat_s: float = 2.0  # keep-alive interval between rollout and trainer
@@ -235,7 +254,10 @@ class TransportConfig:
 
 @dataclass
 class WeightSyncConfig:
-    transport: str = "disk"  # disk (shared file system) | zmq (buckets over the queue) | dist (torch.distributed)
+    """How a new weight version travels from the trainer to the generation servers (async_rl/weight_sync/)."""
+
+    # disk (shared file system) | zmq (buckets over the queue) | dist (torch.distributed)
+    transport: Literal["disk", "zmq", "dist"] = "disk"
     keep_last: int = 2  # weight files kept on disk (at least max_staleness + 2, so the rollout never misses one)
     bucket_mb: float = 128.0  # size of one weight bucket (zmq, dist): the most extra memory an update holds
     deadline_s: float = 120.0  # a server that has not loaded an update by then is fenced (out of rotation)
@@ -243,6 +265,8 @@ class WeightSyncConfig:
 
 @dataclass
 class RayConfig:
+    """launcher=ray: the cluster to join and the size of each process's bundle (launch/ray_launcher.py)."""
+
     address: str = ""  # existing cluster (e.g. "auto" or "ray://HOST:10001"); empty = start a local one
     num_cpus_per_server: float = 1.0  # CPU bundle of one generation server
     num_gpus_per_server: float = 0.0  # GPU bundle of one generation server: 0 = auto (1 where the engine runs on CUDA)
@@ -263,6 +287,8 @@ class ClusterConfig:
 
 @dataclass
 class CoresConfig:
+    """How processes on one machine share its CPU cores (async_rl/utils/cores.py)."""
+
     share: bool = True  # processes on one machine lend their cores to each other while they wait
     engine: list[int] = field(default_factory=list)  # pin generation servers to these CPU ids (a pool); empty = no pin
     trainer: list[int] = field(default_factory=list)  # pin the trainer to these CPU ids (a pool); empty = no pin
@@ -281,7 +307,9 @@ class SuperviseConfig:
 
 @dataclass
 class LogConfig:
-    level: str = "INFO"  # logging level
+    """What a run logs besides its metrics."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # logging level
     progress: bool = True  # progress bar on the console
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     trajectories: bool = False  # the trainer writes every trajectory it receives to run_dir/trajectories.jsonl
@@ -289,12 +317,14 @@ class LogConfig:
 
 @dataclass
 class Config:
-    mode: str = "async"  # async | sync (lock step: generate a batch, train, update, repeat)
+    """A whole run: the frozen top-level keys and one section per component."""
+
+    mode: Literal["async", "sync"] = "async"  # sync = lock step: generate a batch, train, update, repeat
     max_staleness: int = 1  # eta: newest trainable token is at most this many versions behind
     total_steps: int = 20  # train steps of the run
     run_dir: str = "runs/debug"  # where metrics, config, weights and checkpoints go
     seed: int = 0  # seed of everything random
-    launcher: str = "local"  # local (child processes) | ray (placement groups on a Ray cluster)
+    launcher: Literal["local", "ray"] = "local"  # local (child processes) | ray (placement groups on a Ray cluster)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -308,24 +338,6 @@ class Config:
     cores: CoresConfig = field(default_factory=CoresConfig)
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     log: LogConfig = field(default_factory=LogConfig)
-
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "mode": ("async", "sync"),
-    "launcher": ("local", "ray"),
-    "model.dtype": ("auto", "float32", "bfloat16"),
-    "trainer.compute_dtype": ("auto", "float32", "bfloat16"),
-    "engine.backend": ("embedded", "sglang"),
-    "engine.cpu_kernels": ("auto", "compiled", "torch"),
-    "trainer.backend": ("single", "fsdp", "megatron"),
-    "trainer.megatron_spec": ("auto", "local", "te"),
-    "task.prompt_format": ("raw", "chat"),
-    "task.answer_pick": ("last", "first"),
-    "weight_sync.transport": ("disk", "zmq", "dist"),
-    "trainer.stale_tokens": ("drop", "mask"),
-    "rollout.pause_mode": ("retract", "in_place", "abort"),
-    "log.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-}
 
 
 # Files of transport.curve_keys_dir each side needs (the layout `async-rl keys` writes).
@@ -374,9 +386,6 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 def validate(cfg: Config) -> None:
     """Check values the types alone cannot; raise ConfigError naming the key."""
-    for key, allowed in _CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key}: must be one of {'|'.join(allowed)}, got {_get(cfg, key)!r}")
     if cfg.trainer.stale_tokens == "mask" and cfg.rollout.restart_stale:
         raise ConfigError("trainer.stale_tokens=mask trains what a generation sampled within the bound after it ran "
                           "past it, so it needs rollout.restart_stale=false (restarting such a generation leaves "
@@ -442,9 +451,24 @@ def validate(cfg: Config) -> None:
         _check_curve_keys(cfg.transport.curve_keys_dir)
 
 
+def choices(dotted: str) -> tuple[str, ...]:
+    """The values a choice field (typed `Literal[...]`) allows, e.g. choices("weight_sync.transport"); () otherwise."""
+    hint: Any = Config
+    for part in dotted.split("."):
+        hints = get_type_hints(hint) if isinstance(hint, type) else {}
+        if part not in hints:
+            return ()
+        hint = hints[part]
+    return get_args(hint) if get_origin(hint) is Literal else ()
+
+
 def _explain(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
     msg = str(exc).splitlines()[0]
+    allowed = choices(str(key)) if key else ()
+    got = re.match(r"Invalid value (.+), expected one of", msg)
+    if allowed and got:  # a Literal field: the type is the one place its choices are written
+        return f"{key}: must be one of {'|'.join(allowed)}, got {got.group(1)}"
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
         return f"{key}: unknown key"
     return f"{key}: {msg}" if key else msg

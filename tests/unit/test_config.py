@@ -56,3 +56,25 @@ def test_missing_file_and_bad_yaml(tmp_path):
     unknown.write_text("trainer:\n  learning_rate: 1\n")
     with pytest.raises(ConfigError, match="trainer.learning_rate: unknown key"):
         load_config(unknown)
+
+
+def _choice_keys(cls=None, prefix=""):
+    import dataclasses
+    import typing
+
+    from async_rl.config import Config, choices
+
+    cls = cls or Config
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            yield from _choice_keys(hint, f"{prefix}{name}.")
+        elif choices(prefix + name):
+            yield prefix + name
+
+
+def test_every_choice_field_refuses_a_value_outside_its_literal_naming_the_key():
+    keys = sorted(_choice_keys())
+    assert {"mode", "launcher", "engine.backend", "weight_sync.transport", "trainer.backend"} <= set(keys)
+    for key in keys:
+        with pytest.raises(ConfigError, match=rf"^{key}: must be one of .*, got 'bogus'$"):
+            load_config(CONFIGS / "debug_cpu.yaml", [f"{key}=bogus"])

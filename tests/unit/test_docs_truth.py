@@ -153,4 +153,5 @@ def test_a_renamed_path_a_misspelt_key_and_an_invented_command_are_caught():
         text.replace("benchmarks/results/weight_sync.md", "benchmarks/results/weight_sync2.md"))
     assert "docs/gone.md" in missing_paths(text.replace("(docs/cpu.md)", "(docs/gone.md)"))
     assert unknown_keys(text.replace("`trainer.batch_size`", "`trainer.batchsize`")) == ["trainer.batchsize"]
+    assert unknown_keys("`engine.backend=vllmx` `weight_sync.transport=zmq`") == ["engine.backend=vllmx"]
     assert unknown_commands(text + "\nasync-rl deploy --config C\n", subcommands()) == ["deploy"]
