@@ -29,10 +29,9 @@ from __future__ import annotations
 import abc
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 
 from async_rl.agent.base import AgentLoop, register_agent_loop
 from async_rl.agent.episode import AgentLoopOutput
@@ -42,7 +41,19 @@ from async_rl.agent.tools.calculator import CalculatorTool
 from async_rl.tool_parsers import build_tool_parser
 from async_rl.types import Sample, SamplingParams, new_id
 
+if TYPE_CHECKING:
+    import openai
+
 BASE_URL = "http://agent-session.invalid/v1"  # never resolved: the transport answers in process
+
+
+def _openai() -> Any:
+    """The `openai` package, an extra: imported where an episode first needs its client."""
+    try:
+        import openai
+    except ImportError:
+        raise ImportError("OpenAIAgentLoop needs the `openai` package: pip install 'async_rl[openai]'") from None
+    return openai
 
 
 class OpenAIAgentLoop(AgentLoop):
@@ -64,7 +75,7 @@ class OpenAIAgentLoop(AgentLoop):
     async def run(self, sample: Sample, sampling_params: SamplingParams, *, group_id: str) -> AgentLoopOutput:
         session = self.session(sampling_params)
         t0 = time.perf_counter()
-        oai = openai.AsyncOpenAI(base_url=BASE_URL, api_key="x", max_retries=0,
+        oai = _openai().AsyncOpenAI(base_url=BASE_URL, api_key="x", max_retries=0,
                                  http_client=httpx.AsyncClient(transport=SessionTransport(session)))
         try:
             reward = await self.episode(oai, sample)
