@@ -98,6 +98,10 @@ class TaskConfig:
     prompt_format: Literal["raw", "chat"] = "raw"  # raw ("2+3=") | chat (a question through the chat template)
     answer_pick: Literal["last", "first"] = "last"  # which number of the response is the answer: last ("2+3=5") | first
     eval_size: int = 64  # held-out problems (distinct; at most a third of the task's problems), never trained on
+    # validation problems: distinct, never trained on, none in the test set above (test and validation together at
+    # most half the task's problems). They choose the run's best checkpoint (run_dir/best); the test set is
+    # scored, never chosen on. 0 = none: the best is chosen on the test set, and the summary says so
+    val_size: int = 0
     eval_seed: int = 12345  # seed that picks the held-out problems
     eval_targets: list[float] = field(default_factory=list)  # held-out accuracies whose time to reach the summary gives
     agents: list[str] = field(default_factory=list)  # agent loops samples name, cycled per prompt; [] = task default
@@ -234,6 +238,9 @@ class TrainerConfig:
     checkpoint_budget: float = 0.05
     keep_checkpoints: int = 2  # newest checkpoints of this run kept on disk (0 = all)
     resume: bool = False  # start from the newest checkpoint under run_dir/checkpoints (`--resume RUN_DIR`)
+    # keep the version with the best held-out accuracy the run saw as run_dir/best (chosen on task.val_size's
+    # validation set; launch/best_checkpoint.py): a CPU copy of each version due for evaluation waits for its score
+    keep_best: bool = True
     compute_dtype: Dtype = "auto"  # autocast dtype; master weights and optimizer stay fp32
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
 
@@ -403,6 +410,8 @@ def validate(cfg: Config) -> None:
     for key in positive:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be > 0, got {_get(cfg, key)!r}")
+    if cfg.task.val_size < 0:
+        raise ConfigError(f"task.val_size: must be >= 0, got {cfg.task.val_size}")
     if cfg.rollout.sticky_overload_margin < 0:
         raise ConfigError(f"rollout.sticky_overload_margin: must be >= 0, got {cfg.rollout.sticky_overload_margin}")
     if cfg.agent.max_user_turns < 0 or cfg.rollout.trace_every < 0:

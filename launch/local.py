@@ -31,6 +31,7 @@ machine has GPUs) and the slots of the servers it starts. Supervision (`supervis
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -43,6 +44,7 @@ from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.utils.ledger import LEDGERS, audit
 from async_rl.utils.metrics import read_jsonl
 from async_rl.trainer.backends import get_backend
+from launch.best_checkpoint import BEST_DIR, read_best
 from launch.common import place_here, up_file, with_free_port
 from launch.procs import child_cause, child_error, spawn, stop_all, with_overrides
 from launch.supervision import RESTARTS_FILE, RestartBudget, restart_lines
@@ -234,12 +236,30 @@ def eval_lines(cfg: Config) -> list[str]:
     if periodic:
         curve = ", ".join(f"v{r['step']} {r['eval/accuracy']:.2f}" for r in periodic)
         lines.append(f"accuracy during training: {curve}")
+        if "eval/val_accuracy" in periodic[0]:
+            curve = ", ".join(f"v{r['step']} {r['eval/val_accuracy']:.2f}" for r in periodic)
+            lines.append(f"validation accuracy during training ({periodic[0]['eval/val_n']} other problems): {curve}")
         for target in cfg.task.eval_targets:
             hit = next((r for r in periodic if r["eval/accuracy"] >= target), None)
             lines.append(f"time to accuracy >= {target:.2f}: " + (
                 f"{hit['timing/train_wall_s']:.0f}s of training, wall clock (version {hit['step']})" if hit
                 else "not reached"))
-    return lines
+    return lines + best_lines(cfg.run_dir)
+
+
+def best_lines(run_dir: str) -> list[str]:
+    """Which version the run kept as its best, what it was chosen on, and where it is."""
+    best = read_best(run_dir)
+    if best is None:
+        return []
+    where = Path(run_dir) / BEST_DIR
+    if best["chosen_on"] == "validation":
+        how = (f"validation accuracy {best['val_accuracy']:.3f}, test accuracy {best['test_accuracy']:.3f} "
+               "(chosen on the validation set, scored on the test set)")
+    else:
+        how = (f"test accuracy {best['test_accuracy']:.3f} (chosen on the test set itself: the task has no "
+               "validation set, task.val_size)")
+    return [f"best version: v{best['policy_version']}, {how}; kept at {where} (a Hugging Face model directory)"]
 
 
 def ledger_lines(run_dir: str) -> list[str]:
@@ -261,6 +281,8 @@ def run_local(cfg: Config) -> list[str]:
     for stale in ("metrics.jsonl", "eval.jsonl", "rollout_metrics.jsonl", *LEDGERS):
         if not cfg.trainer.resume:  # a resumed run keeps its history (the trainer trims what it redoes)
             (Path(cfg.run_dir) / stale).unlink(missing_ok=True)
+    if not cfg.trainer.resume:  # an earlier run's best is not this one's
+        shutil.rmtree(Path(cfg.run_dir) / BEST_DIR, ignore_errors=True)
     (Path(cfg.run_dir) / RESTARTS_FILE).unlink(missing_ok=True)  # the restart budget is this launch's
     for name in TARGETS:
         up_file(cfg.run_dir, name).unlink(missing_ok=True)  # restarted only once up in this launch

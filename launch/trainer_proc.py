@@ -38,6 +38,7 @@ from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
 from async_rl.weight_sync.publishers import build_publisher
 from async_rl.utils.cores import refresh_per_layer
+from launch.best_checkpoint import BestKeeper
 from launch.common import cap_gpu_memory, mark_up, setup_cores
 from launch.consumption import CheckpointPolicy, Consumption
 from launch.supervision import Drain, DrainRequested
@@ -165,6 +166,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     bar = tqdm(total=cfg.total_steps, initial=start, desc=f"train[{cfg.mode}]", disable=not cfg.log.progress,
                dynamic_ncols=True)
     versions = _Versions(queue, publisher, trainer)
+    best = BestKeeper(cfg)  # run_dir/best: the version with the best held-out accuracy seen
     drain = Drain.install()  # SIGTERM: finish this step, checkpoint, tell the rollout side to stop
     skipped = 0
     tell_ready = cfg.mode == "async"  # what was ready at each ask: the rollout side paces on it (rollout.pace)
@@ -203,6 +205,9 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             stats.update(_filtered_stats(filtered))
             t1 = time.perf_counter()
             stats.update(versions.publish())
+            kept_s = best.seconds
+            best.after_publish(trainer)
+            stats["timing/keep_best_s"] = best.seconds - kept_s
             if tell_ready:  # after the weights: a paced rollout side sets how far ahead it runs from this
                 queue.broadcast({"kind": "pace", "buffered": buffered})
             stats.update(queue.stats())
@@ -219,6 +224,8 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
         _checkpoint(trainer, run_dir, step, cfg, policy, book)  # cfg.total_steps unless drained
         queue.broadcast({"kind": "stop", "final_version": trainer.policy_version})
         _wait_producers_gone(queue, timeout=cfg.rollout.connect_timeout_s + 120)
+        if not drain.requested:  # the final evaluation has reported: its version competes too
+            best.finish(trainer)
     finally:
         bar.close()
         metrics.close()

@@ -97,6 +97,10 @@ class Leader:
     def model(self) -> torch.nn.Module:
         return self.trainer.model
 
+    @property
+    def hf_export(self) -> Any:
+        return self.trainer.hf_export
+
     def train_step(self, groups: list[list[Trajectory]]) -> dict[str, float]:
         self._announce("train_step")  # the batch follows over the process group (spmd.py), not the store
         return self.trainer.train_step(groups)

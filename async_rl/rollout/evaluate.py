@@ -6,6 +6,10 @@ task is evaluated the way it is trained (tool calls run, users answer), not as o
 sample counts as solved when its episode earns the full reward (1); `eval/reward_mean` is the
 mean reward, which differs from the accuracy only for partial scores (an interaction's 0.5 for
 a second try).
+
+A task with a validation set (`task.val_size`) has it evaluated beside the test set, in the same
+call: `eval/val_accuracy`, `eval/val_reward_mean`, `eval/val_n` (the run's best checkpoint is
+chosen on it; `eval/accuracy` stays the test set's, which nothing is chosen on).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Evaluation:
 
     def __post_init__(self) -> None:
         self.samples = self.task.eval_samples()
+        self.val_samples = self.task.val_samples() if hasattr(self.task, "val_samples") else []
 
     @classmethod
     def for_run(cls, cfg: Config, clients: list[GenerationClient], tokenizer: Any, task: Any,
@@ -68,6 +73,13 @@ class Evaluation:
                    cfg.rollout.agent)
 
     async def run(self) -> dict[str, float]:
-        """Evaluate the policy the servers hold now."""
-        return await evaluate(self.clients, self.tokenizer, self.task, self.samples, self.max_new_tokens,
-                              self.max_concurrent, agent=self.agent, context=self.context)
+        """Evaluate the policy the servers hold now, on the test set and (where there is one) the validation set."""
+        def on(samples: list[Sample]):
+            return evaluate(self.clients, self.tokenizer, self.task, samples, self.max_new_tokens,
+                            self.max_concurrent, agent=self.agent, context=self.context)
+        if not self.val_samples:
+            return await on(self.samples)
+        test, val = await asyncio.gather(on(self.samples), on(self.val_samples))
+        return {**test, "eval/val_accuracy": val["eval/accuracy"], "eval/val_reward_mean": val["eval/reward_mean"],
+                "eval/val_n": val["eval/n"], "eval/version_min": min(test["eval/version_min"], val["eval/version_min"]),
+                "eval/version_max": max(test["eval/version_max"], val["eval/version_max"])}

@@ -1,12 +1,15 @@
 """What generated tasks share: a seeded stream of training samples, a held-out set that the stream
 never repeats, and agent / interaction names cycled per prompt (`task.agents`, `task.interactions`).
 
-Held out means held out: the evaluation problems are `task.eval_size` distinct problems drawn
-with `task.eval_seed`, and the training stream skips every sample whose prompt is one of them, so
-no evaluation prompt is ever trained on. At most a third of a task's problem space is held out
-(`HELD_OUT_SHARE`), so a small space keeps most of its problems for training: the debug task's
-nine sums (operands 0..2) hold out three, never trained on, and its accuracy measures whether the
-model generalises to them.
+Held out means held out: the test problems are `task.eval_size` distinct problems drawn with
+`task.eval_seed`, the validation problems (`task.val_size`) the next distinct ones of the same draw,
+and the training stream skips every sample whose prompt is one of either, so no held-out prompt is
+ever trained on. The two sets share no problem: validation chooses (the run's best checkpoint,
+settings), the test set scores what was chosen. At most a third of a task's problem space is a test
+problem (`HELD_OUT_SHARE`), and test and validation together at most half (`WITH_VALIDATION_SHARE`),
+so a small space keeps most of its problems for training: the debug task's nine sums (operands
+0..2) hold out three, never trained on, and its accuracy measures whether the model generalises to
+them. Adding a validation set leaves the test set as it was (the same first draws).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from async_rl.config import TaskConfig
 from async_rl.types import Sample
 
 HELD_OUT_SHARE = 3  # at most 1/HELD_OUT_SHARE of a task's distinct problems are held out for evaluation
+WITH_VALIDATION_SHARE = 2  # test and validation problems together: at most 1/WITH_VALIDATION_SHARE of them
 
 
 def cycled(names: list[str], i: int, default: str | None) -> str | None:
@@ -59,26 +63,31 @@ class GeneratedTask(abc.ABC):
         """How many distinct problems (prompts) the task's settings can make."""
 
     @functools.cached_property
-    def _held_out(self) -> tuple[tuple[Sample, ...], frozenset[str]]:
-        size = min(self.cfg.eval_size, self.problem_count() // HELD_OUT_SHARE)
+    def _held_out(self) -> tuple[tuple[Sample, ...], tuple[Sample, ...], frozenset[str]]:
+        """(test samples, validation samples, the prompts of both): one seeded draw of distinct problems,
+        the test set first."""
+        test = min(self.cfg.eval_size, self.problem_count() // HELD_OUT_SHARE)
+        val = max(0, min(self.cfg.val_size, self.problem_count() // WITH_VALIDATION_SHARE - test))
+        size = test + val
         rng = random.Random(self.cfg.eval_seed)
         samples: list[Sample] = []
         keys: set[str] = set()
         draws = 0
         while len(samples) < size:
             draws += 1
-            if draws > 1000 * size + 1000:  # a few times `size` draws in any space of 3 * size or more
+            if draws > 1000 * size + 1000:  # a few times `size` draws in any space of 2 * size or more
                 raise RuntimeError(f"task {self.cfg.name!r}: drew no {size} distinct held-out problems "
                                    f"(problem_count() says {self.problem_count()})")
-            sample = self._make(rng, f"eval-{len(samples)}", len(samples))
+            i = len(samples)
+            sample = self._make(rng, f"eval-{i}" if i < test else f"val-{i - test}", i)
             if prompt_key(sample) not in keys:
                 keys.add(prompt_key(sample))
                 samples.append(sample)
-        return tuple(samples), frozenset(keys)
+        return tuple(samples[:test]), tuple(samples[test:]), frozenset(keys)
 
     def train_samples(self, seed: int) -> Iterator[Sample]:
         """The endless training stream of this seed: every problem but the held-out ones."""
-        held_out = self._held_out[1]
+        held_out = self._held_out[2]
         rng = random.Random(seed)
         i = 0
         while True:
@@ -88,8 +97,13 @@ class GeneratedTask(abc.ABC):
                 i += 1
 
     def eval_samples(self) -> list[Sample]:
-        """The held-out set: `task.eval_size` distinct problems (fewer where a third of the space is fewer)."""
+        """The test set: `task.eval_size` distinct problems (fewer where a third of the space is fewer)."""
         return list(self._held_out[0])
+
+    def val_samples(self) -> list[Sample]:
+        """The validation set: `task.val_size` distinct problems, none in the test set (fewer where test and
+        validation would pass half of the space)."""
+        return list(self._held_out[1])
 
     def agent_for(self, i: int) -> str | None:
         return cycled(self.cfg.agents, i, self.default_agent)

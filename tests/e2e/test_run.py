@@ -36,7 +36,7 @@ def rollout_metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("mode,eta,extra", [("async", 1, ["weight_sync.transport=dist"]),
                                             ("async", 4, ["transport.capacity=1024", "rollout.pace=true",
                                                           "rollout.pause_mode=in_place"]),
-                                            ("sync", 0, [])])
+                                            ("sync", 0, ["task.val_size=1"])])
 def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
     steps = 4
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"mode={mode}", f"max_staleness={eta}",
@@ -72,6 +72,7 @@ def test_run_completes_within_staleness_bound(tmp_path, mode, eta, extra):
     assert audited.returncode == 0 and "lost=0 duplicated=0" in audited.stdout, audited.stdout + audited.stderr
     if mode == "sync":  # every checkpoint is also a plain Hugging Face model directory
         _loads_as_hf_model(tmp_path / "checkpoints" / f"step_{steps:06d}")
+        _best_is_the_best_validated(tmp_path, evals, res.stdout)
     assert "greedy accuracy on 3 held-out problems" in res.stdout  # the debug task holds out 3 of its 9 sums
     # the summary's wall time is the wall clock from the first generation to the last step's end, and
     # no accuracy target is printed for a task whose config names none (task.eval_targets)
@@ -123,6 +124,20 @@ def test_train_and_rollout_started_separately(tmp_path):
     assert alone.returncode == 1 and "incomplete: no rollout ledger" in alone.stdout, alone.stdout + alone.stderr
     both = cli("audit", str(tmp_path / "t"), str(tmp_path / "r"), timeout=60)
     assert both.returncode == 0 and "lost=0 duplicated=0 lost_prompts=0" in both.stdout, both.stdout + both.stderr
+
+
+def _best_is_the_best_validated(run_dir: Path, evals: list[dict], stdout: str) -> None:
+    """run_dir/best is the first version with the highest validation accuracy of those evaluated (during
+    training and after it), a Hugging Face model, and the summary names it and where it is."""
+    scored = [e for e in evals if e["when"] in ("periodic", "after")]
+    top = max(e["eval/val_accuracy"] for e in scored)
+    chosen = next(e for e in scored if e["eval/val_accuracy"] == top)
+    meta = json.loads((run_dir / "best" / "meta.json").read_text())
+    assert meta["policy_version"] == chosen["policy_version"] and meta["chosen_on"] == "validation"
+    assert meta["test_accuracy"] == chosen["eval/accuracy"] and chosen["eval/val_n"] == 1
+    assert f"best version: v{meta['policy_version']}, validation accuracy" in stdout
+    assert f"kept at {run_dir / 'best'}" in stdout
+    _loads_as_hf_model(run_dir / "best")
 
 
 def _loads_as_hf_model(ckpt: Path) -> None:

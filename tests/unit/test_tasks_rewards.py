@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import TaskConfig, load_config
+from async_rl.config import ConfigError, TaskConfig, load_config
 from async_rl.rewards.math import exact_number_reward, last_number
 from async_rl.tasks import build_task
-from async_rl.tasks.generated import HELD_OUT_SHARE, prompt_key
+from async_rl.tasks.generated import HELD_OUT_SHARE, WITH_VALIDATION_SHARE, prompt_key
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -51,11 +51,31 @@ def test_held_out_problems_are_never_trained_on(path):
     assert len(set(held)) == len(held) == expected > 0
     if path.stem == "smollm2_arith":
         assert len(held) == 128  # `make demo` scores 128 problems (twice as many as before), none trained on
+    held += [prompt_key(s) for s in task.val_samples()]  # validation problems are held out too
     for seed in (cfg.seed, cfg.seed + 1):
         trained = {prompt_key(s) for s in itertools.islice(task.train_samples(seed), 3000)}
         assert not trained & set(held), f"{path.name}: trained on held-out problems {sorted(trained & set(held))[:3]}"
         if task.problem_count() <= 1000:  # the rest of a small space is all trained on
             assert len(trained) == task.problem_count() - len(held)
+
+
+@pytest.mark.parametrize("name,top,test_size", [("arith", 19, 128), ("tir_arith", 19, 128), ("interaction_debug", 9, 3)])
+def test_a_validation_set_shares_nothing_with_the_test_set_or_training(name, top, test_size):
+    """Validation problems chose what the test set scores: none of them is a test problem or ever trained
+    on, and adding them leaves the test set exactly as it was (the numbers measured on it stay comparable)."""
+    keys = [f"task.name={name}", f"task.max_operand={top}", f"task.eval_size={test_size}"]
+    base, cfg = load_config(None, keys).task, load_config(None, [*keys, "task.val_size=64"]).task
+    without, task = build_task(base), build_task(cfg)
+    test, val = [prompt_key(s) for s in task.eval_samples()], [prompt_key(s) for s in task.val_samples()]
+    assert test == [prompt_key(s) for s in without.eval_samples()] and without.val_samples() == []
+    limit = task.problem_count() // WITH_VALIDATION_SHARE - len(test)
+    assert len(set(val)) == len(val) == min(64, limit) > 0 and not set(val) & set(test)
+    trained = {prompt_key(s) for s in itertools.islice(task.train_samples(3), 3000)}
+    assert not trained & (set(val) | set(test))
+    small = build_task(load_config(None, ["task.max_operand=2", "task.eval_size=3", "task.val_size=5"]).task)
+    assert len(small.eval_samples()) == 3 and len(small.val_samples()) == 9 // WITH_VALIDATION_SHARE - 3
+    with pytest.raises(ConfigError, match="task.val_size"):
+        load_config(None, ["task.val_size=-1"])
 
 
 def test_chat_format_and_bad_task():
