@@ -220,7 +220,7 @@ class TrainerConfig:
     kl_coef: float = 0.0
     # train/kl_init, KL(pi_start || pi_now) per token, from a forward of this many responses of the first step
     # after each update (trainer/kl_probe.py; no reference model); 0 = not measured
-    kl_probe_seqs: int = 8
+    kl_probe_seqs: int = 2
     # how token terms add up to a minibatch's loss (trainer/loss.py LOSS_AGGS): token_mean (each trained token
     # alike) | seq_mean_token_mean (GRPO: mean over sequences of their token means) | seq_mean_token_sum_norm
     # (Dr.GRPO: token sums / (loss_agg_tokens x sequences))
