@@ -47,7 +47,12 @@ class ModelConfig:
 class EngineConfig:
     """The generation servers: backend, device, batching, KV cache, and the HTTP server's options."""
 
-    backend: Literal["embedded", "sglang"] = "embedded"  # this project's engine | SGLang servers (GPU)
+    # this project's engine | SGLang servers (GPU) | vLLM servers (CPU or GPU), in their own environments
+    backend: Literal["embedded", "sglang", "vllm"] = "embedded"
+    # the interpreter of the engine's own environment (sglang, vllm: their pins differ from the trainer's);
+    # "" = the .venv-vllm that `make install` builds (vllm), or this interpreter (sglang)
+    python: str = ""
+    start_timeout_s: float = 900.0  # how long a launched sglang/vllm server may take to answer /health
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto = CUDA when present)
     host: str = "127.0.0.1"  # address the generation server binds
     port: int = 0  # 0 picks a free port

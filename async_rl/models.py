@@ -159,6 +159,20 @@ def _convert_smollm2(out: Path) -> None:
     tmp.rename(out) if not out.exists() else None
 
 
+def checkpoint_dir(cfg: ModelConfig, seed: int, out: Path) -> Path:
+    """The configured model as a Hugging Face checkpoint directory, for an engine that loads one (vLLM): SmolLM2's
+    converted checkpoint, a directory as given, or the tiny model (its weights from `seed`) written once into `out`."""
+    if cfg.name != "tiny":
+        return model_dir(cfg)
+    if not _converted(out):
+        tokenizer = load_tokenizer(cfg)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        build_tiny_model(cfg, len(tokenizer), seed).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out) if not out.exists() else None
+    return out
+
+
 def load_tokenizer(cfg: ModelConfig):
     """The model's tokenizer; SmolLM2's from its converted checkpoint, or straight from the package's
     GGUF file where none is converted yet (the same tokenizer, without converting the weights)."""

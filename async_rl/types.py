@@ -23,6 +23,11 @@ class WireFormatError(ValueError):
     """A frame or message does not have the shape its type requires."""
 
 
+class RequestRefused(ValueError):
+    """A generation server refused or failed one request (a prompt too long for its context, sampling parameters
+    it cannot honour, an error chunk in its stream): that request is lost, the server is fine, the rest go on."""
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 

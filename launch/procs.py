@@ -226,22 +226,30 @@ def server_name(index: int) -> str:
     return "server" if index == 0 else f"server{index}"
 
 
-def start_server(cfg: Config, index: int = 0, env: dict[str, str] | None = None,
-                 timeout_s: float = 600.0) -> tuple[mp.Process, str]:
-    """Start embedded generation server `index` as a child (with `env`: its GPU); return it and its URL once it serves."""
+def start_server(cfg: Config, index: int = 0, env: dict[str, str] | None = None, timeout_s: float = 600.0,
+                 starting: Any = None) -> tuple[mp.Process, str]:
+    """Start embedded generation server `index` as a child (with `env`: its GPU); return it and its URL once it
+    serves. `starting` (`launch.external_server.Starting`) tracks it from its spawn and can cut the wait short."""
     name = server_name(index)
     ready = Path(cfg.run_dir) / f"{name}_address"
     ready.unlink(missing_ok=True)
     proc = spawn(name, "launch.serve:serve_main", cfg, env=env, ready_file=str(ready))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if ready.is_file() and ready.read_text().strip():
-            return proc, ready.read_text().strip()
-        if not proc.is_alive():
-            raise RuntimeError(child_error(cfg, name, proc))
-        time.sleep(0.1)
-    stop_all([proc])
-    raise RuntimeError(f"generation server {name} did not start within {timeout_s:.0f}s")
+    pause = time.sleep
+    if starting is not None:
+        starting.track(proc)
+        pause = starting.sleep
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ready.is_file() and ready.read_text().strip():
+                return proc, ready.read_text().strip()
+            if not proc.is_alive():
+                raise RuntimeError(child_error(cfg, name, proc))
+            pause(0.1)
+        raise RuntimeError(f"generation server {name} did not start within {timeout_s:.0f}s")
+    except BaseException:
+        stop_all([proc])
+        raise
 
 
 def with_overrides(cfg: Config, **changes) -> Config:

@@ -128,12 +128,17 @@ class ProcessHost:
     def start_server(self, cfg_yaml: str, index: int) -> str:
         """Start generation server `index` with the launcher registered for `engine.backend`, on the
         GPU Ray assigned this bundle; its URL."""
+        from launch.external_server import Starting
         from launch.servers import SERVER_LAUNCHERS
 
         cfg = config_from_yaml_text(cfg_yaml)
         slot = ray_slot(cfg, ROLLOUT, self._gpu_ids())
         self.cfg = for_process(cfg, ROLLOUT, slot)
-        self.proc, url = SERVER_LAUNCHERS[self.cfg.engine.backend](self.cfg, index, slot.env())
+        starting = Starting()
+        try:
+            self.proc, url = SERVER_LAUNCHERS[self.cfg.engine.backend](self.cfg, index, slot.env(), starting)
+        finally:  # tracked from its spawn: an actor that fails or is stopped mid-start can still stop it
+            self.proc = self.proc or (starting.procs[-1] if starting.procs else None)
         return url
 
     def poll(self) -> tuple[int | None, str]:

@@ -10,6 +10,7 @@ only when none is left.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ import torch
 from async_rl.agent import build_agent_context
 from async_rl.config import Config, resolve_secret
 from async_rl.engine.client import HttpGenerationClient
+from async_rl.engine.clients import GENERATION_CLIENTS
 from async_rl.models import load_tokenizer
 from async_rl.placement import ROLLOUT, GpuSlot, for_process
 from async_rl.rollout.controller import RolloutController
@@ -36,6 +38,7 @@ from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.prompts import prompt_of
 from async_rl.weight_sync.receivers import build_receiver
+from launch.external_server import Starting
 from launch.common import effective_threads, mark_up, pin_to_pool, place_here
 from launch.procs import run_async, stop_all, with_overrides
 from launch.server_keeper import ServerKeeper, write_server_listing
@@ -50,8 +53,9 @@ def _record_eval(cfg: Config, when: str, version: int, stats: dict) -> None:
 
 def _clients(cfg: Config, addrs: list[str], external: bool) -> list[HttpGenerationClient]:
     api_key = resolve_secret(cfg.engine.api_key, "engine.api_key")  # the servers' bearer token ("" = none)
+    client = GENERATION_CLIENTS[cfg.engine.backend]
     try:
-        return [HttpGenerationClient(a, api_key=api_key, pause_mode=cfg.rollout.pause_mode,
+        return [client(a, api_key=api_key, pause_mode=cfg.rollout.pause_mode,
                                      stream_interval=cfg.rollout.stream_interval) for a in addrs]
     except ValueError as exc:
         raise ValueError(f"rollout.server_addrs: {exc}" if external else str(exc)) from None
@@ -89,17 +93,25 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
                                   peer_timeout_s=cfg.transport.peer_timeout_s,
                                   curve_keys_dir=cfg.transport.curve_keys_dir)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
-    # our own servers are restarted when their process dies, and caught up to the current weights
-    keep = (lambda pool: ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg, slots)).start()) \
-        if procs else None
-    pool, keeper = await _ready_pool(cfg, addrs, external, tokenizer, keep)
+    # connected (and heartbeating) before the servers start: a real engine loads and compiles for minutes, and
+    # the trainer, which waits rollout.connect_timeout_s for a first producer, then hears this side meanwhile
+    try:
+        await queue.connect(cfg.rollout.connect_timeout_s)
+        if not external:
+            addrs = await _start_servers(cfg, slots, procs)
+        # our own servers are restarted when their process dies, and caught up to the current weights
+        keep = (lambda pool: ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg, slots)).start()) \
+            if procs else None
+        pool, keeper = await _ready_pool(cfg, addrs, external, tokenizer, keep)
+    except BaseException:
+        await queue.close()
+        raise
     weights = keeper.receiver if keeper else weights
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
     ledger = Ledger(Path(cfg.run_dir) / "ledger_rollout.jsonl")  # trajectory ids produced (`async-rl audit`)
     ledger.record("side", producer=producer_id)
     pool.start()
     try:
-        await queue.connect(cfg.rollout.connect_timeout_s)
         joined_at = int(queue.trainer_state.get("policy_version", 0))
         evaluator = [PooledGenerationClient(pool, acquire_timeout_s=cfg.rollout.connect_timeout_s)]
         evaluation = Evaluation.for_run(cfg, evaluator, tokenizer, task, build_agent_context(cfg.agent))
@@ -132,6 +144,20 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
         await queue.close()
         ledger.close()
         await pool.close()
+
+
+async def _start_servers(cfg: Config, slots: list[GpuSlot], procs: list[Any]) -> list[str]:
+    """`start_servers` off the event loop (heartbeats go on meanwhile); each process joins `procs` as it is
+    spawned, and a cancelled start (SIGTERM) stops them all before this returns."""
+    starting = Starting()
+    try:
+        _, urls = await asyncio.to_thread(start_servers, cfg, slots, starting)
+    except BaseException:
+        starting.abandon()
+        raise
+    finally:
+        procs.extend(p for p in starting.procs if p not in procs)
+    return urls
 
 
 def _resendable(outbox: Outbox, ledger: Ledger, trainer_version: int) -> list[list]:
@@ -170,24 +196,23 @@ def server_config(cfg: Config, index: int, count: int, slot: GpuSlot) -> Config:
     return with_overrides(for_process(cfg, ROLLOUT, slot), engine={"num_threads": threads, "port": port})
 
 
-def start_servers(cfg: Config, slots: list[GpuSlot]) -> tuple[list[Any], list[str]]:
+def start_servers(cfg: Config, slots: list[GpuSlot], starting: Starting | None = None) -> tuple[list[Any], list[str]]:
     """Start `rollout.num_servers` servers of `engine.backend` at once, server i in `slots[i]`;
-    (processes, urls) once all serve."""
+    (processes, urls) once all serve. `starting` tracks each process from its spawn; on any failure or
+    interruption (Ctrl-C, SIGTERM) every one of them is stopped before this raises."""
     from launch.servers import SERVER_LAUNCHERS
 
     n = cfg.rollout.num_servers
     launch = SERVER_LAUNCHERS[cfg.engine.backend]
+    starting = starting or Starting()
     with ThreadPoolExecutor(max_workers=n) as pool:
-        futures = [pool.submit(launch, server_config(cfg, i, n, slots[i]), i, slots[i].env()) for i in range(n)]
-        results, errors = [], []
-        for f in futures:
-            try:
-                results.append(f.result())
-            except Exception as exc:
-                errors.append(exc)
-    if errors:
-        stop_all([proc for proc, _ in results])
-        raise errors[0]
+        try:
+            futures = [pool.submit(launch, server_config(cfg, i, n, slots[i]), i, slots[i].env(), starting)
+                       for i in range(n)]
+            results = [f.result() for f in futures]
+        except BaseException:
+            starting.abandon()  # the waits end at once; the executor's exit then does not wait them out
+            raise
     logger.info("started %d generation server(s): %s", n, ", ".join(url for _, url in results))
     procs, urls = [proc for proc, _ in results], [url for _, url in results]
     write_server_listing(cfg.run_dir, procs, urls)
@@ -199,7 +224,8 @@ def restart_server(cfg: Config, slots: list[GpuSlot], index: int, port: int) -> 
     from launch.servers import SERVER_LAUNCHERS
 
     own = server_config(cfg, index, cfg.rollout.num_servers, slots[index])
-    return SERVER_LAUNCHERS[cfg.engine.backend](with_overrides(own, engine={"port": port}), index, slots[index].env())
+    return SERVER_LAUNCHERS[cfg.engine.backend](with_overrides(own, engine={"port": port}), index, slots[index].env(),
+                                                Starting())
 
 
 def rollout_main(cfg: Config, servers: list[dict] | None = None) -> None:
@@ -216,9 +242,7 @@ def rollout_main(cfg: Config, servers: list[dict] | None = None) -> None:
                        len(addrs), cfg.rollout.num_servers)
     slots = ([GpuSlot.from_wire(s) for s in servers] if servers is not None
              else list(place_here(cfg, (ROLLOUT,)).servers))
-    if not external:
-        procs, addrs = start_servers(cfg, slots)
     try:
-        run_async(_run(cfg, addrs, external, procs, producer_id, slots))
+        run_async(_run(cfg, addrs, external, procs, producer_id, slots))  # it starts our servers into `procs`
     finally:
         stop_all(procs)

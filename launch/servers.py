@@ -1,12 +1,14 @@
 """Generation-server launchers, chosen by `engine.backend`: start server number `index`, return (process, url).
 
-    proc, url = SERVER_LAUNCHERS[cfg.engine.backend](cfg, 0, slot.env())
+    proc, url = SERVER_LAUNCHERS[cfg.engine.backend](cfg, 0, slot.env(), starting)
 
 `embedded` starts this project's engine (`async-rl serve`) as a child process; `sglang`
-starts `python -m sglang.launch_server` (`launch.sglang_server`). Each runs with `env` added
-to its environment: the CUDA_VISIBLE_DEVICES of the GPU async_rl.placement gave it (`cfg`
-already says its device and memory share). Backends register here; the rollout side and the
-Ray launcher pick from this dict and never test backend names themselves.
+starts `python -m sglang.launch_server` (`launch.sglang_server`), `vllm` vLLM's OpenAI server in
+its own environment (`launch.vllm_server`). Each runs with `env` added to its environment: the
+CUDA_VISIBLE_DEVICES of the GPUs async_rl.placement gave it (`cfg` already says its device and
+memory share). `starting` (`launch.external_server.Starting`) tracks the process from its spawn,
+so a start that is abandoned (Ctrl-C, SIGTERM) leaves nothing running. Backends register here;
+the rollout side and the Ray launcher pick from this dict and never test backend names themselves.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 from async_rl.config import Config
+from launch.external_server import Starting
 from launch.procs import start_server
 from launch.sglang_server import start_sglang
+from launch.vllm_server import start_vllm
 
-ServerLauncher = Callable[[Config, int, dict[str, str]], tuple[Any, str]]
-
-
-def start_embedded(cfg: Config, index: int, env: dict[str, str]) -> tuple[Any, str]:
-    return start_server(cfg, index, env)
+ServerLauncher = Callable[[Config, int, dict[str, str], Starting], tuple[Any, str]]
 
 
-SERVER_LAUNCHERS: dict[str, ServerLauncher] = {"embedded": start_embedded, "sglang": start_sglang}
+def start_embedded(cfg: Config, index: int, env: dict[str, str], starting: Starting) -> tuple[Any, str]:
+    return start_server(cfg, index, env, starting=starting)
+
+
+SERVER_LAUNCHERS: dict[str, ServerLauncher] = {"embedded": start_embedded, "sglang": start_sglang,
+                                               "vllm": start_vllm}

@@ -48,16 +48,22 @@ from typing import Any
 import httpx
 
 from async_rl.engine.sglang_api import cumulative_chunk, generate_body, joined_output, output_from_response
-from async_rl.types import GenerationOutput, SamplingParams, new_id
+from async_rl.types import GenerationOutput, RequestRefused, SamplingParams, new_id
 from async_rl.utils.seeding import derive_seed
 
-__all__ = ["PAUSE_MODES", "HttpGenerationClient", "ServerUnreachableError", "output_from_response"]
+__all__ = ["PAUSE_MODES", "HttpGenerationClient", "RequestRefused", "ServerUnreachableError", "output_from_response"]
 
 PAUSE_MODES = ("retract", "abort", "in_place")
 
 
 class ServerUnreachableError(ConnectionError):
     """The generation server at an address does not answer."""
+
+
+def _message(body: Any) -> str:
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return str(message or body)
 
 
 def _resumed(params: SamplingParams, done: int) -> SamplingParams:
@@ -145,7 +151,9 @@ class HttpGenerationClient:
                                          f"({type(exc).__name__}: {exc})") from None
         return resp
 
-    def _check(self, path: str, resp: httpx.Response) -> Any:
+    def _check(self, path: str, resp: httpx.Response, per_request: bool = False) -> Any:
+        """The JSON of a successful answer; else ValueError (4xx: RequestRefused where `per_request` and the
+        request itself was refused, 400/413/422) or RuntimeError (5xx) carrying the server's message."""
         if resp.status_code < 400:
             return resp.json() if resp.content else {}
         try:
@@ -155,6 +163,8 @@ class HttpGenerationClient:
             message = message or body.get("message") or body.get("detail") or body
         except Exception:
             message = resp.text[:300]
+        if per_request and resp.status_code in (400, 413, 422):
+            raise RequestRefused(f"{self.address}{path}: request refused: {message}")
         if resp.status_code < 500:
             raise ValueError(f"{self.address}{path}: {message}")
         raise RuntimeError(f"{self.address}{path}: HTTP {resp.status_code}: {message}")
@@ -172,7 +182,7 @@ class HttpGenerationClient:
             done = [t for p in pieces for t in p.output_ids]
             params = _resumed(sampling_params, len(done)) if pieces else sampling_params
             version, updates, pauses = self.weight_version, self._updates, self._abort_pauses
-            body = await self._request("POST", "/generate", generate_body(list(input_ids) + done, params, rid))
+            body = await self._generate_answer(list(input_ids) + done, params, rid)
             out = output_from_response(rid, body, version=version, interruptions=self._updates - updates)
             self.retractions_total += int(body["meta_info"].get("num_retractions") or 0)
             pieces.append(out)
@@ -184,6 +194,17 @@ class HttpGenerationClient:
             return pieces[0]
         return dataclasses.replace(joined_output(rid, len(input_ids), pieces),
                                    num_interruptions=self._updates - updates_at_start)
+
+    async def _generate_answer(self, input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+        """One /generate answer in SGLang's native shape (a backend with another wire format translates)."""
+        return self._check("/generate", await self._send("POST", "/generate", generate_body(input_ids, params, rid)),
+                           per_request=True)
+
+    async def _pause_call(self, mode: str) -> None:
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def _continue_call(self) -> None:
+        await self._request("POST", "/continue_generation")
 
     def _paused_us(self, out: GenerationOutput, pauses_at_submit: int) -> bool:
         """Was this answer cut short by a pause in mode abort of this client (so it is to be continued)?"""
@@ -199,11 +220,11 @@ class HttpGenerationClient:
         self.paused = mode
         if mode == "abort":
             self._abort_pauses += 1
-        await self._request("POST", "/pause_generation", {"mode": mode})
+        await self._pause_call(mode)
 
     async def continue_generation(self) -> None:
         try:
-            await self._request("POST", "/continue_generation")
+            await self._continue_call()
         finally:
             self.paused = None
             self._running.set()
@@ -259,25 +280,33 @@ class HttpGenerationClient:
         (`sglang_api.cumulative_chunk`). An unfinished output is reported with finish_reason "abort" until
         the last chunk says how it ended."""
         rid = request_id or new_id()
+        updates = self._updates  # weight updates through this client while the request runs: its interruptions
+        body: dict[str, Any] | None = None
+        async for chunk in self._sse("/generate", generate_body(input_ids, sampling_params, rid, stream=True,
+                                                                stream_interval=self.stream_interval)):
+            if chunk.get("error") is not None:  # SGLang streams a refused request as HTTP 200 + this chunk
+                raise RequestRefused(f"{self.address}/generate: request {rid} refused: {_message(chunk)}")
+            body = cumulative_chunk(body, chunk)
+            finished = body["meta_info"].get("finish_reason") is not None
+            if not finished:
+                body["meta_info"]["finish_reason"] = "abort"
+            yield output_from_response(rid, body, version=self.weight_version,
+                                       interruptions=self._updates - updates), finished
+
+    async def _sse(self, path: str, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The JSON payloads of a server-sent-event answer to POST `path` ("[DONE]" left out); a 4xx/5xx
+        answer raises as `_check` does, a lost connection ServerUnreachableError, silence TimeoutError."""
         try:
-            async with self._http.stream("POST", "/generate",
-                                         json=generate_body(input_ids, sampling_params, rid, stream=True,
-                                                            stream_interval=self.stream_interval)) as resp:
+            async with self._http.stream("POST", path, json=payload) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
-                    self._check("/generate", resp)
-                body: dict[str, Any] | None = None
+                    self._check(path, resp, per_request=True)
                 async for line in resp.aiter_lines():
                     data = line[len("data:"):].strip() if line.startswith("data:") else ""
-                    if not data or data == "[DONE]":
-                        continue
-                    body = cumulative_chunk(body, json.loads(data))
-                    finished = body["meta_info"].get("finish_reason") is not None
-                    if not finished:
-                        body["meta_info"]["finish_reason"] = "abort"
-                    yield output_from_response(rid, body, version=self.weight_version), finished
+                    if data and data != "[DONE]":
+                        yield json.loads(data)
         except httpx.TimeoutException:
-            raise TimeoutError(f"generation server {self.address}/generate: no chunk within {self.timeout_s:g}s") from None
+            raise TimeoutError(f"generation server {self.address}{path}: no chunk within {self.timeout_s:g}s") from None
         except httpx.TransportError as exc:
             raise ServerUnreachableError(f"generation server {self.address} lost mid-stream "
                                          f"({type(exc).__name__}: {exc})") from None

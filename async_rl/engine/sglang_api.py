@@ -181,6 +181,9 @@ def output_from_response(rid: str, body: dict[str, Any], version: int | None = N
     meta = body["meta_info"]
     ids = [int(t) for t in body["output_ids"]]
     lps = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+    if len(lps) != len(ids):  # a behaviour log-prob is never made up: the trainer's importance weights use them
+        raise RuntimeError(f"request {meta.get('id', rid)}: the server sent {len(lps)} log-probs for "
+                           f"{len(ids)} output tokens")
     versions = server_versions(meta, len(ids))
     if versions is None:
         fallback = version if version is not None else parse_version(meta.get("weight_version"))
@@ -189,7 +192,7 @@ def output_from_response(rid: str, body: dict[str, Any], version: int | None = N
     reason = meta.get("finish_reason")
     return GenerationOutput(
         request_id=str(meta.get("id", rid)), prompt_len=int(meta.get("prompt_tokens", 0)), output_ids=ids,
-        output_logprobs=lps if len(lps) == len(ids) else [0.0] * len(ids), output_versions=versions,
+        output_logprobs=lps, output_versions=versions,
         finish_reason=reason.get("type", "abort") if isinstance(reason, dict) else str(reason or "abort"),
         num_interruptions=int(meta.get("num_interruptions", interruptions)),
         output_top_logprobs=None if top is None else [[(int(e[1]), float(e[0])) for e in pos or []] for pos in top],

@@ -59,7 +59,7 @@ def test_each_server_starts_on_its_own_gpu(tmp_path, monkeypatch):
     """Before placement, servers past the first all started at cuda:0 or cycled over every GPU, the trainer's too."""
     calls = []
 
-    def fake_launcher(scfg, index, env):
+    def fake_launcher(scfg, index, env, starting):
         calls.append((index, scfg.engine.device, scfg.engine.gpu_memory_fraction, env))
         return SimpleNamespace(pid=100 + index), f"http://127.0.0.1:{9000 + index}"
 
@@ -74,28 +74,23 @@ def test_each_server_starts_on_its_own_gpu(tmp_path, monkeypatch):
 
 
 def test_sglang_runs_on_its_placed_gpu_within_the_inherited_mask(tmp_path, monkeypatch):
-    """It used to set CUDA_VISIBLE_DEVICES to the server's index ("1"), discarding the mask."""
+    """It used to set CUDA_VISIBLE_DEVICES to the server's index ("1"), discarding the mask. SGLang is not
+    installed here: `engine.python` is a program that records how it was started and exits."""
     from launch import sglang_server
 
-    seen = {}
-
-    class ExitsAtOnce:
-        def __init__(self, cmd, env, **kwargs):
-            seen.update(cmd=cmd, env=env)
-            self.pid = 0
-
-        def poll(self):
-            return 1
-
-    monkeypatch.setattr(sglang_server, "check_sglang", lambda cfg, index: None)  # SGLang is not installed here
-    monkeypatch.setattr(sglang_server.subprocess, "Popen", ExitsAtOnce)
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {seen}.cmd\necho "$CUDA_VISIBLE_DEVICES" > {seen}.gpu\nexit 1\n')
+    fake.chmod(0o755)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    c = cfg(tmp_path, "engine.backend=sglang", "model.name=/models/x", "rollout.num_servers=2", "engine.port=30000")
+    c = cfg(tmp_path, "engine.backend=sglang", "model.name=/models/x", "rollout.num_servers=2", "engine.port=30000",
+            f"engine.python={fake}")
     slot = place(c, visible=4, mask="4,5,6,7").servers[1]
-    with pytest.raises(RuntimeError, match="server 1 exited with code 1"):
+    with pytest.raises(RuntimeError, match="server 1 .*exited with code 1"):
         sglang_server.start_sglang(server_config(c, 1, 2, slot), 1, slot.env())
-    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "6"  # physical: the trainer has 4, server 0 has 5
-    assert seen["cmd"][seen["cmd"].index("--port") + 1] == "30001"
+    assert (tmp_path / "seen.gpu").read_text().strip() == "6"  # physical: the trainer has 4, server 0 has 5
+    cmd = (tmp_path / "seen.cmd").read_text().split()
+    assert cmd[cmd.index("--port") + 1] == "30001"
 
 
 @pytest.mark.gpu
