@@ -14,6 +14,8 @@ turns the GPU ids Ray assigned a bundle into the same kind of slot. The rules:
   `trainer.world_size` free GPUs, the servers the next `rollout.num_servers`; the rest idle.
 - A process is handed its GPUs by physical id (the inherited mask's entries, never their
   indices) in CUDA_VISIBLE_DEVICES, and sees them as cuda:0.. (trainer rank r: cuda:r).
+- A generation server holds `engine.tp_size` GPUs (its tensor-parallel ranks; SGLang and vLLM
+  servers), each one for the embedded engine; `cluster.rollout_gpus` then lists them server by server.
 - One GPU for one trainer rank and one server (a single visible GPU, or both lists naming
   the same one) is shared: the engine takes `engine.gpu_memory_fraction` of its memory
   (auto 0.4), the trainer the rest, and `weight_sync.transport=dist` is refused (NCCL
@@ -73,8 +75,15 @@ def _listed(cfg: Config, side: str) -> list[int]:
 
 
 def _counts(cfg: Config, sides: tuple[str, ...]) -> dict[str, int]:
+    """GPUs each side needs: one per trainer rank, `engine.tp_size` per generation server started here."""
     servers = 0 if cfg.rollout.server_addrs else cfg.rollout.num_servers
-    return {TRAINER: cfg.trainer.world_size if TRAINER in sides else 0, ROLLOUT: servers if ROLLOUT in sides else 0}
+    return {TRAINER: cfg.trainer.world_size if TRAINER in sides else 0,
+            ROLLOUT: servers * server_gpus(cfg) if ROLLOUT in sides else 0}
+
+
+def server_gpus(cfg: Config) -> int:
+    """GPUs of one generation server: its tensor-parallel ranks."""
+    return max(1, cfg.engine.tp_size)
 
 
 def _device(cfg: Config, side: str) -> tuple[str, str]:
@@ -170,24 +179,27 @@ def _explicit(cfg: Config, side: str, n: int, ids: list[str]) -> list[int]:
     if len(set(listed)) != len(listed):
         raise ConfigError(f"{key}: names a GPU twice ({listed}); one process per GPU")
     if listed and len(listed) != n:
-        raise ConfigError(f"{key}: lists {len(listed)} GPU(s) for {count_key}={n} (one per {unit})")
+        tp = server_gpus(cfg) if side == ROLLOUT else 1
+        per = f"engine.tp_size={tp} per {unit}" if tp > 1 else f"one per {unit}"
+        raise ConfigError(f"{key}: lists {len(listed)} GPU(s) for {count_key}={n // tp} ({per})")
     return listed
 
 
-def _too_few(side: str, n: int, free: int, visible: int, trainer: int) -> ConfigError:
+def _too_few(side: str, n: int, free: int, visible: int, trainer: int, tp: int = 1) -> ConfigError:
     if side == TRAINER:
         return ConfigError(f"trainer.world_size: {n} ranks need {n} GPUs (one each), but {free} of the {visible} "
                            "visible are free for the trainer")
     beside = f" beside the trainer's {trainer} (trainer.world_size)" if trainer else ""
-    return ConfigError(f"rollout.num_servers: {n} servers need {n} GPUs of their own{beside}, but {free} of the "
-                       f"{visible} visible are left; lower rollout.num_servers or trainer.world_size, or give "
+    each = f" ({tp} each: engine.tp_size)" if tp > 1 else ""
+    return ConfigError(f"rollout.num_servers: {n // tp} servers need {n} GPUs of their own{each}{beside}, but {free} "
+                       f"of the {visible} visible are left; lower rollout.num_servers or trainer.world_size, or give "
                        "cluster.trainer_gpus / cluster.rollout_gpus")
 
 
 def _pools(cfg: Config, counts: dict[str, int], cuda: dict[str, bool], ids: list[str]) -> dict[str, list[int]]:
     """Logical GPU indices of each side: explicit lists first, then trainer-first over what is free."""
     explicit = {side: _explicit(cfg, side, counts[side], ids) if cuda[side] else [] for side in SIDES}
-    share_ok = counts[TRAINER] == 1 and counts[ROLLOUT] == 1 and all(cuda.values())
+    share_ok = counts[TRAINER] == 1 and counts[ROLLOUT] == 1 and all(cuda.values())  # one GPU each (tp 1)
     both = set(explicit[TRAINER]) & set(explicit[ROLLOUT])
     if both and not (share_ok and explicit[TRAINER] == explicit[ROLLOUT]):
         raise ConfigError(f"cluster.rollout_gpus: GPU(s) {sorted(both)} are also in cluster.trainer_gpus; the pools "
@@ -203,7 +215,8 @@ def _pools(cfg: Config, counts: dict[str, int], cuda: dict[str, bool], ids: list
         elif share_ok and len(ids) == 1:  # one GPU for one rank and one server: they share it
             pools[side] = [0]
         else:
-            raise _too_few(side, n, len(free), len(ids), len(pools.get(TRAINER, [])))
+            raise _too_few(side, n, len(free), len(ids), len(pools.get(TRAINER, [])),
+                           server_gpus(cfg) if side == ROLLOUT else 1)
     return pools
 
 
@@ -217,7 +230,7 @@ def place(cfg: Config, *, visible: int, mask: str | None = None, sides: tuple[st
     _check_lists(cfg, counts, cuda)
     cpu = GpuSlot(visible="" if visible else None, device="cpu")
     if not any(cuda.values()):
-        return Placement(trainer=cpu, servers=(cpu,) * counts[ROLLOUT], cpu=cpu)
+        return Placement(trainer=cpu, servers=(cpu,) * (counts[ROLLOUT] // server_gpus(cfg)), cpu=cpu)
     ids = _physical_ids(visible, mask)
     pools = _pools(cfg, counts, cuda, ids)
     shared = bool(pools[TRAINER]) and pools[TRAINER] == pools[ROLLOUT]
@@ -231,8 +244,10 @@ def place(cfg: Config, *, visible: int, mask: str | None = None, sides: tuple[st
         trainer = GpuSlot(visible=",".join(ids[i] for i in pools[TRAINER]),
                           device="cuda" if len(pools[TRAINER]) > 1 else "cuda:0",
                           memory_fraction=round(1.0 - share, 6) if shared else 0.0)
-    servers = tuple(GpuSlot(visible=ids[i], device="cuda:0", memory_fraction=share)
-                    for i in pools[ROLLOUT]) or (cpu,) * counts[ROLLOUT]
+    tp = server_gpus(cfg)  # each server's GPUs: consecutive in the pool (its TP ranks see cuda:0..tp-1)
+    gpus = pools[ROLLOUT]
+    servers = tuple(GpuSlot(visible=",".join(ids[i] for i in gpus[k:k + tp]), device="cuda:0", memory_fraction=share)
+                    for k in range(0, len(gpus), tp)) or (cpu,) * (counts[ROLLOUT] // tp)
     return Placement(trainer=trainer, servers=servers, cpu=cpu, shared=shared,
                      lines=_describe(pools, ids, mask, shared, share))
 
@@ -251,8 +266,8 @@ def _describe(pools: dict[str, list[int]], ids: list[str], mask: str | None, sha
 
 
 def ray_gpus(cfg: Config, cluster_gpus: float) -> dict[str, float]:
-    """GPUs of one bundle per role under launcher=ray ({"server": g, "trainer": g}): one whole GPU where
-    that side runs on CUDA (`auto`: where the cluster has GPUs), none where it runs on cpu."""
+    """GPUs of one bundle per role under launcher=ray ({"server": g, "trainer": g}): whole GPUs where that side
+    runs on CUDA (`auto`: where the cluster has GPUs; a server takes engine.tp_size), none where it runs on cpu."""
     out = {}
     for side, role in ((TRAINER, "trainer"), (ROLLOUT, "server")):
         key, ray_key = f"cluster.{side}_gpus", f"ray.num_gpus_per_{role}"
@@ -265,12 +280,15 @@ def ray_gpus(cfg: Config, cluster_gpus: float) -> dict[str, float]:
                               "Ray assigns its bundle; use cuda or auto")
         asked = getattr(cfg.ray, f"num_gpus_per_{role}")
         cuda = _on_cuda(cfg, side, auto=cluster_gpus > 0 or asked > 0)
-        if cuda and asked not in (0, 1):
-            raise ConfigError(f"{ray_key}: a {role} on CUDA takes one whole GPU (one process per GPU: NCCL, the "
-                              f"memory split); set 1 or 0 (= 1 on CUDA), got {asked:g}")
+        whole = server_gpus(cfg) if side == ROLLOUT else 1
+        if cuda and asked not in (0, whole):
+            what = (f"engine.tp_size={whole} GPUs" if whole > 1
+                    else "one whole GPU (one process per GPU: NCCL, the memory split)")
+            raise ConfigError(f"{ray_key}: a {role} on CUDA takes {what}; set {whole} or 0 (= {whole} on CUDA), "
+                              f"got {asked:g}")
         if not cuda and asked > 0:
             raise ConfigError(f"{ray_key}: {dev_key}={spec}, so a {role} would hold a GPU it never uses; set 0")
-        out[role] = 1.0 if cuda else 0.0
+        out[role] = float(whole) if cuda else 0.0
     return out
 
 

@@ -197,8 +197,15 @@ class HttpGenerationClient:
 
     async def _generate_answer(self, input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
         """One /generate answer in SGLang's native shape (a backend with another wire format translates)."""
-        return self._check("/generate", await self._send("POST", "/generate", generate_body(input_ids, params, rid)),
-                           per_request=True)
+        body = generate_body(input_ids, params, rid, cache_salt=self.cache_salt())
+        return self._check("/generate", await self._send("POST", "/generate", body), per_request=True)
+
+    def cache_salt(self) -> str | None:
+        """Under pause mode in_place, the namespace of this request's prefix-cache entries: the version this client
+        last loaded. In-flight requests keep KV the old weights computed across an in_place update (that is the
+        mode); a request that starts later must not reuse a prefix cached under older weights, and SGLang keeps its
+        radix cache across the update (it cannot flush while the paused requests hold KV). Other modes flush."""
+        return f"v{self.weight_version or 0}" if self.pause_mode == "in_place" else None
 
     async def _pause_call(self, mode: str) -> None:
         await self._request("POST", "/pause_generation", {"mode": mode})
@@ -283,7 +290,8 @@ class HttpGenerationClient:
         updates = self._updates  # weight updates through this client while the request runs: its interruptions
         body: dict[str, Any] | None = None
         async for chunk in self._sse("/generate", generate_body(input_ids, sampling_params, rid, stream=True,
-                                                                stream_interval=self.stream_interval)):
+                                                                stream_interval=self.stream_interval,
+                                                                cache_salt=self.cache_salt())):
             if chunk.get("error") is not None:  # SGLang streams a refused request as HTTP 200 + this chunk
                 raise RequestRefused(f"{self.address}/generate: request {rid} refused: {_message(chunk)}")
             body = cumulative_chunk(body, chunk)

@@ -58,6 +58,7 @@ class GenerateRequest(Strict):
     no_logs: bool = False
     custom_labels: dict[str, str] | None = None
     modalities: list[str] | None = None
+    cache_salt: str | None = None  # prefixes are never shared across salts: here the cache is dropped at every update
     # SGLang's, refused when set (UNSUPPORTED_REQUEST)
     image_data: Any = None
     video_data: Any = None

@@ -27,12 +27,16 @@ from async_rl.types import GenerationOutput, SamplingParams
 
 # --------------------------------------------------------------------------- request
 def generate_body(input_ids: list[int], params: SamplingParams, rid: str, *, stream: bool = False,
-                  stream_interval: int = 1) -> dict[str, Any]:
+                  stream_interval: int = 1, cache_salt: str | None = None) -> dict[str, Any]:
     """A /generate body both servers accept, asking for the log-prob of every sampled token. A stream with
     `stream_interval` > 1 asks for a chunk only once that many tokens are unsent (SGLang's per-request
-    `sampling_params.stream_interval`; the first token and the end always come at once)."""
+    `sampling_params.stream_interval`; the first token and the end always come at once). `cache_salt`
+    (SGLang's "cache namespace used to isolate otherwise-identical prefixes", io_struct.GenerateReqInput)
+    keeps this request off prefixes cached under another salt."""
     body: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "rid": rid, "return_logprob": True,
                             "sampling_params": params.to_wire()}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     if params.top_logprobs:
         body["top_logprobs_num"] = params.top_logprobs
     if stream:
@@ -85,7 +89,7 @@ def meta_info(out: GenerationOutput, return_logprob: bool, weight_version: int, 
     meta: dict[str, Any] = {
         "id": out.request_id, "finish_reason": finish_reason_json(out, matched) if finished else None,
         "prompt_tokens": out.prompt_len, "completion_tokens": len(out.output_ids),
-        "cached_tokens": out.prefix_cached_tokens, "weight_version": weight_version,
+        "cached_tokens": out.prefix_cached_tokens, "weight_version": str(weight_version),  # a string, as SGLang
         "weight_versions": version_spans(out.output_versions), "output_token_versions": out.output_versions,
         "num_interruptions": out.num_interruptions, "num_retractions": retractions,
     }
@@ -137,6 +141,12 @@ def cumulative_chunk(prev: dict[str, Any] | None, chunk: dict[str, Any]) -> dict
 
 
 # --------------------------------------------------------------------------- answer (client side)
+# the meta_info keys the client reads: SGLang's GenerateMetaInfo (api/v1/api_types.py) declares all but the
+# embedded server's extras (output_token_versions, num_interruptions, num_retractions); a contract test holds it
+META_KEYS_READ = ("id", "prompt_tokens", "completion_tokens", "finish_reason", "cached_tokens", "weight_version",
+                  "weight_versions", "output_token_logprobs", "output_top_logprobs", "output_token_versions",
+                  "num_interruptions", "num_retractions")
+
 def parse_version(label: Any) -> int | None:
     """A version label as an int, or None when it is not one (SGLang's "default", null)."""
     if isinstance(label, bool):

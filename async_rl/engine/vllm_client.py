@@ -49,8 +49,8 @@ class VllmGenerationClient(HttpGenerationClient):
 
     def _body(self, input_ids: list[int], params: SamplingParams, rid: str, stream: bool) -> dict[str, Any]:
         body = vllm_api.generate_body(input_ids, params, rid, stream=stream)
-        if self.pause_mode == "in_place":
-            body["cache_salt"] = f"v{self.weight_version or 0}"
+        if (salt := self.cache_salt()) is not None:  # vLLM's cache_salt: the same namespacing as SGLang's
+            body["cache_salt"] = salt
         return body
 
     async def _generate_answer(self, input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:

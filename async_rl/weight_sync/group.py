@@ -13,9 +13,16 @@ one), builds the same store chain and backend by hand (`join_group`).
 Failures. A gloo collective raises once the group's timeout passes; an NCCL one does not
 (`work.wait()` only orders streams), so `wait` polls the work against the deadline, and an
 NCCL group is built with `TORCH_NCCL_ASYNC_ERROR_HANDLING=2` (the watchdog aborts the
-communicator instead of killing the process) and non-blocking communicator init (a peer
-that never joins fails the wait instead of hanging it), its watchdog timeout a margin
-beyond the deadline as a backstop. A group that failed is aborted (`abort`), never just
+communicator instead of killing the process) and non-blocking communicator init, its watchdog
+timeout a margin beyond the deadline as a backstop. Torch creates an NCCL communicator lazily,
+at the group's first collective, and decides then whether it is non-blocking
+(`ProcessGroupNCCL::useNonblocking`: the group's own `config.blocking` first, the environment
+variable TORCH_NCCL_USE_COMM_NONBLOCKING second, read at that moment): so it is the group's
+option (`_nccl_options`), not an environment set while the group object is built and gone by the
+first broadcast. A non-blocking init then waits for the peers at most
+TORCH_NCCL_NONBLOCKING_TIMEOUT seconds (read once per process, default 30 minutes): it is set to
+the deadline before the first group is built, so a server that never joins fails the publish
+within `weight_sync.deadline_s` and is fenced. A group that failed is aborted (`abort`), never just
 dropped. Whatever holds groups registers its close with `close_at_exit` (groups are aborted
 then: a peer may be gone, and NCCL's destroy can wait on it): a group still alive when the
 interpreter finalizes takes its gloo run-loop threads down with it, and one that reaches for the
@@ -31,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 import os
 import time
 import weakref
@@ -45,7 +53,7 @@ from async_rl.weight_sync.staging import WeightSyncError
 
 BACKENDS = ("gloo", "nccl")
 NCCL_WATCHDOG_MARGIN_S = 30.0  # the watchdog fires this long after our own deadline: a backstop only
-_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
+_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # read when the group object is built
 _POLL_S = 0.001
 _HOLDERS: list[weakref.WeakMethod] = []  # close methods of objects holding groups, run at exit
 _EXITING = False  # set while the holders close at exit: groups are aborted then, never destroyed
@@ -90,6 +98,19 @@ def _nccl_env(backend: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _nccl_options(timeout: datetime.timedelta) -> Any:
+    """Options of one NCCL group: non-blocking communicator init decided by the group itself (see the module
+    docstring), and the init's wait for peers bounded by the deadline (a process-wide setting torch reads once,
+    at the first non-blocking init: set before it unless the user set it)."""
+    os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, math.ceil(timeout.total_seconds()
+                                                                              - NCCL_WATCHDOG_MARGIN_S))))
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    opts.config.blocking = 0
+    return opts
+
+
 @contextlib.contextmanager
 def _no_split() -> Iterator[None]:
     """`_new_process_group_helper` splits a new NCCL group from the default group when that one is bound
@@ -124,7 +145,8 @@ def new_group(backend: str, store: Any, group_name: str, rank: int, world_size: 
         with _nccl_env(backend), _no_split():
             pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
                                                    dist.PrefixStore(group_name, store), group_name=group_name,
-                                                   backend_options=None, timeout=timeout, device_id=None)
+                                                   backend_options=_nccl_options(timeout) if backend == "nccl"
+                                                   else None, timeout=timeout, device_id=None)
     except (RuntimeError, ValueError) as exc:
         raise _failed(f"group {group_name!r}: rank {rank} of {world_size} could not join", timeout_s, exc) from None
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
@@ -155,10 +177,7 @@ def join_group(backend: str, master_address: str, master_port: int, group_name: 
             if backend == "gloo":
                 group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
             else:
-                opts = dist.ProcessGroupNCCL.Options()
-                opts.is_high_priority_stream = False
-                opts._timeout = timeout
-                group = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+                group = dist.ProcessGroupNCCL(prefixed, rank, world_size, _nccl_options(timeout))
             group._set_sequence_number_for_group()
     except (RuntimeError, ValueError) as exc:
         raise _failed(f"group {group_name!r}: rank {rank} of {world_size} could not join", timeout_s, exc) from None

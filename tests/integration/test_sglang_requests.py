@@ -68,6 +68,13 @@ def sent(tmp_path_factory):
                 await client.update_weights_from_disk(weights, version)
                 await client.continue_generation()
             await client.abort_request("gone")
+            in_place = HttpGenerationClient(url, timeout_s=60, pause_mode="in_place")
+            in_place._http.event_hooks["request"].append(record)
+            in_place.weight_updated(3)
+            await in_place.generate(prompt, params)
+            async for _ in in_place.generate_stream(prompt, params, "salted"):
+                pass
+            await in_place.close()
             with pytest.raises(ValueError):
                 await client.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "g", "gloo", timeout_s=1)
             await client.begin_weight_update()  # a version goes in one session, one request per bucket
@@ -96,6 +103,16 @@ def test_generate_bodies_pass_sglangs_schema_gate(sent):
     assert bodies and all(sglang_source.generate_contract_error(b) is None for b in bodies), bodies
     # the gate does refuse: a rid that is not a string
     assert sglang_source.generate_contract_error({**bodies[0], "rid": 5}) is not None
+
+
+def test_in_place_requests_keep_off_prefixes_cached_under_older_weights(sent):
+    """Under an in_place pause SGLang keeps its radix cache across the update (it cannot flush while the paused
+    requests hold KV), so requests that started later reused prefixes the old weights computed. They now carry
+    the loaded version as SGLang's cache_salt (a cache namespace), which its schema gate takes."""
+    salted = [b for route, b in sent if route == "/generate" and "cache_salt" in b]
+    assert len(salted) == 2 and {b["cache_salt"] for b in salted} == {"v3"}
+    assert all(sglang_source.generate_contract_error(b) is None for b in salted)
+    assert all("cache_salt" not in b for route, b in sent if route == "/generate" and b not in salted)
 
 
 def test_every_other_body_is_one_sglangs_route_model_accepts(sent):

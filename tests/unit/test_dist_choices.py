@@ -7,9 +7,12 @@ NCCL has never run in this project's CI.
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ from async_rl.weight_sync.dist_receiver import DistWeightReceiver, host_of
 from async_rl.weight_sync.group import choose_backend
 from async_rl.weight_sync.publishers import build_publisher, trainer_host, wire_dtype
 from async_rl.weight_sync.staging import WeightSyncError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(*overrides: str):
@@ -158,3 +163,27 @@ def test_nccl_delivers_a_version_between_two_gpus():
 def test_a_cpu_trainer_reaches_a_cuda_engine_which_receives_on_the_gpu():
     done, errors, rc, out, _ = _publish_to_peer(choose_backend("cpu", ["cuda"]), "cpu", "cuda", None, 60)
     assert done and not errors and rc == 0 and "received" in out, out[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_an_nccl_peer_that_never_joins_fails_the_broadcast_instead_of_hanging():
+    """The non-blocking init used to be asked for by an environment variable set only while the group object
+    was built; torch reads it at the first collective, after it was gone, so the first broadcast to a server
+    that never joined waited NCCL's 30 minutes. Rank 0 of a world of 2 alone, in a fresh process (the init
+    timeout is read once per process): the broadcast fails within the deadline (pytest's timeout is the hang)."""
+    code = textwrap.dedent("""
+        import datetime, torch, torch.distributed as dist
+        from async_rl.utils.ports import free_port
+        from async_rl.weight_sync.group import broadcast, new_group
+        from async_rl.weight_sync.staging import WeightSyncError
+        store = dist.TCPStore("127.0.0.1", free_port("127.0.0.1"), 2, True, timeout=datetime.timedelta(seconds=20))
+        group = new_group("nccl", store, "never-joined", 0, 2, timeout_s=10.0)
+        try:
+            broadcast(group, torch.ones(4, device="cuda:0"), "weights v1", 10.0)
+        except WeightSyncError as exc:
+            print("failed as it should:", exc)
+        """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "failed as it should" in res.stdout, res.stdout + res.stderr[-2000:]

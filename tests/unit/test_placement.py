@@ -171,6 +171,22 @@ def test_memory_fraction_must_leave_the_trainer_something():
         cfg("engine.gpu_memory_fraction=1.0")
 
 
+def test_a_tensor_parallel_server_holds_tp_size_gpus():
+    """engine.tp_size=2 used to start each server on one GPU while SGLang was told --tp-size 2: it could not start."""
+    plan = place(cfg("engine.backend=vllm", "rollout.num_servers=2", "engine.tp_size=2"), visible=8)
+    assert plan.trainer.visible == "0" and visible(plan.servers) == ["1,2", "3,4"]
+    assert {s.device for s in plan.servers} == {"cuda:0"}  # its ranks see cuda:0 and cuda:1
+    listed = place(cfg("engine.backend=sglang", "engine.tp_size=2", "cluster.rollout_gpus=[6,7]"), visible=8)
+    assert visible(listed.servers) == ["6,7"]
+    with pytest.raises(ConfigError, match=r"^cluster.rollout_gpus: lists 1 GPU\(s\) for rollout.num_servers=1 "
+                                          r"\(engine.tp_size=2 per server\)"):
+        place(cfg("engine.backend=sglang", "engine.tp_size=2", "cluster.rollout_gpus=[6]"), visible=8)
+    with pytest.raises(ConfigError, match=r"^rollout.num_servers: 2 servers need 4 GPUs of their own \(2 each: "
+                                          r"engine.tp_size\) beside the trainer's 1"):
+        place(cfg("engine.backend=vllm", "rollout.num_servers=2", "engine.tp_size=2"), visible=4)
+    assert ray_gpus(cfg("engine.backend=vllm", "engine.tp_size=2"), 8)["server"] == 2.0  # a Ray bundle too
+
+
 # ---------------------------------------------------------------------------------------- Ray
 def test_ray_bundles_are_whole_gpus_where_a_side_runs_on_cuda():
     slots = ray_plan(cfg(*FSDP2, "rollout.num_servers=2"), cluster_gpus=8)
