@@ -20,6 +20,7 @@ from tests.e2e.test_run import DEBUG, cli, metrics, rollout_metrics
 STEPS = 12
 
 
+@pytest.mark.timeout(900)  # a vLLM server's start on 2 loaded cores takes minutes
 def test_a_run_on_a_real_vllm_server_trains_updates_and_audits_clean(tmp_path):
     overrides = [f"run_dir={tmp_path}", "engine.backend=vllm", "model.tiny_heads=2", "model.tiny_kv_heads=1",
                  "rollout.connect_timeout_s=10", f"total_steps={STEPS}", "max_staleness=2", "log.progress=false"]

@@ -42,6 +42,7 @@ from launch.servers import SERVER_LAUNCHERS
 from launch.vllm_server import engine_python
 from tests.e2e.test_run import DEBUG
 
+pytestmark = pytest.mark.timeout(600)  # the first test of a backend waits for its server's start
 CONTEXT = 160  # the tiny model's positions: a prompt over this is refused
 TOL = 2e-3  # fp32 log-probs of two implementations of the same forward
 
