@@ -195,10 +195,13 @@ class TrainerConfig:
     batch_size: int = 32  # B: trajectories per train step (a multiple of rollout.group_size)
     lr: float = 1e-3  # AdamW learning rate
     # its schedule over the train steps (trainer/lr_schedule.py LR_SCHEDULES): constant | linear | cosine, the
-    # decays reaching 0 after lr_decay_steps (0 = total_steps), after lr_warmup_steps of linear ramp
+    # decays reaching lr_min_ratio x lr at step lr_decay_steps (0 = total_steps), after lr_warmup_steps of linear
+    # ramp and lr_hold_steps at the full rate
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 0
+    lr_hold_steps: int = 0
+    lr_min_ratio: float = 0.0
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max gradient norm (0 = off)
     eps_clip: float = 0.2  # PPO clip range
@@ -424,10 +427,13 @@ def validate(cfg: Config) -> None:
     for key, low in (("supervise.max_restarts", 0), ("supervise.restart_backoff_s", 0),
                      ("trainer.micro_batch_overhead_tokens", 0), ("trainer.checkpoint_every", 0),
                      ("trainer.loss_agg_tokens", 0), ("trainer.kl_coef", 0),
-                     ("trainer.lr_warmup_steps", 0), ("trainer.lr_decay_steps", 0),
+                     ("trainer.lr_warmup_steps", 0), ("trainer.lr_decay_steps", 0), ("trainer.lr_hold_steps", 0),
+                     ("trainer.lr_min_ratio", 0),
                      ("trainer.keep_checkpoints", 0), ("rollout.fill_ramp", 0)):
         if _get(cfg, key) < low:
             raise ConfigError(f"{key}: must be >= {low}, got {_get(cfg, key)!r}")
+    if not 0 <= cfg.trainer.lr_min_ratio <= 1:
+        raise ConfigError(f"trainer.lr_min_ratio: must be in [0, 1], got {cfg.trainer.lr_min_ratio}")
     if not 0 <= cfg.trainer.checkpoint_budget < 1:
         raise ConfigError(f"trainer.checkpoint_budget: must be in [0, 1), got {cfg.trainer.checkpoint_budget}")
     if cfg.supervise.drain_timeout_s <= 0:

@@ -146,7 +146,7 @@ def trl_worker(out: Path, steps: int, eval_size: int, settings: dict, seed: int 
         output_dir=str(out.parent / "trl_out"), max_steps=steps, per_device_train_batch_size=cfg.trainer.batch_size,
         num_generations=cfg.rollout.group_size, steps_per_generation=1, gradient_accumulation_steps=1,
         max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-        learning_rate=cfg.trainer.lr, lr_scheduler_type=_trl_schedule(cfg.trainer),
+        learning_rate=cfg.trainer.lr, **_trl_schedule(cfg.trainer, steps),
         warmup_steps=cfg.trainer.lr_warmup_steps, weight_decay=cfg.trainer.weight_decay,
         max_grad_norm=cfg.trainer.grad_clip, beta=0.0, epsilon=cfg.trainer.eps_clip, shuffle_dataset=False,
         use_cpu=True, bf16=False, save_strategy="no", report_to="none", logging_steps=1, seed=cfg.seed,
@@ -227,13 +227,18 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _trl_schedule(trainer) -> str:
-    """transformers' scheduler name for async_rl's trainer.lr_schedule (both decay to 0 over the steps)."""
+def _trl_schedule(trainer, steps: int) -> dict:
+    """GRPOConfig's scheduler fields for async_rl's trainer.lr_schedule (both decay over the steps)."""
     if trainer.lr_schedule == "constant":
-        return "constant_with_warmup" if trainer.lr_warmup_steps else "constant"
+        return {"lr_scheduler_type": "constant_with_warmup" if trainer.lr_warmup_steps else "constant"}
+    if trainer.lr_hold_steps or trainer.lr_min_ratio:  # transformers' warmup-stable-decay: the same shape
+        decay = steps - trainer.lr_warmup_steps - trainer.lr_hold_steps
+        return {"lr_scheduler_type": "warmup_stable_decay",
+                "lr_scheduler_kwargs": {"num_stable_steps": trainer.lr_hold_steps, "num_decay_steps": decay,
+                                        "min_lr_ratio": trainer.lr_min_ratio, "decay_type": trainer.lr_schedule}}
     # linear, cosine: the same names and decay shapes in transformers (its warm-up ramps from 0, ours from
     # 1/(warmup+1): the same only without warm-up)
-    return trainer.lr_schedule
+    return {"lr_scheduler_type": trainer.lr_schedule}
 
 
 def main() -> None:

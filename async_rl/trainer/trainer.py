@@ -216,7 +216,8 @@ class PPOTrainer:
         ref = self._ref_logprobs(shares) if self.ref_model is not None else None
         acc = StatsAccumulator()
         steps = skipped = 0
-        lr = self.cfg.lr * self.lr_schedule(self.policy_version, self.cfg.lr_warmup_steps, self.cfg.lr_decay_steps)
+        lr = self.cfg.lr * self.lr_schedule(self.policy_version, self.cfg.lr_warmup_steps, self.cfg.lr_decay_steps,
+                                            hold=self.cfg.lr_hold_steps, floor=self.cfg.lr_min_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
