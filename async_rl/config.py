@@ -174,7 +174,7 @@ class AgentConfig:
     max_user_turns: int = 4  # most interaction (simulated user) replies of one episode
     max_response_tokens: int = 512  # everything after the prompt (model + tool + user tokens); cut beyond
     max_parallel_tool_calls: int = 8  # tool calls of one turn run concurrently; more than this are refused
-    modules: list[str] = field(default_factory=list)  # modules imported at start so their agents/tools register
+    modules: list[str] = field(default_factory=list)  # imported at start (rollout side and trainer): agents, tools, losses register
 
 
 @dataclass

@@ -28,6 +28,17 @@ class RequestRefused(ValueError):
     it cannot honour, an error chunk in its stream): that request is lost, the server is fine, the rest go on."""
 
 
+class GroupRefused(ValueError):
+    """A group that cannot be trained is refused where it is found (not sent, or not taken): the message
+    says why (the same words for every group refused for that reason: the audit counts by them), `detail`
+    which sample. The refusal is ledgered, and the audit counts the group as lost unless its prompt was
+    trained through another group."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.detail = detail
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
@@ -359,8 +370,10 @@ class Trajectory:
         if reason not in FINISH_REASONS:
             raise WireFormatError(f"{where}.finish_reason: must be one of {FINISH_REASONS}, got {reason!r}")
         reward = _require(d, "reward", (int, float), where)
-        if not math.isfinite(reward):
-            raise WireFormatError(f"{where}.reward: must be finite, got {reward!r}")
+        info = dict(_require(d, "info", dict, where))
+        bad = nonfinite_score(reward, info)
+        if bad:
+            raise WireFormatError(f"{where}.{bad}")
         return cls(
             id=_require(d, "id", str, where),
             group_id=_require(d, "group_id", str, where),
@@ -373,8 +386,19 @@ class Trajectory:
             finish_reason=reason,
             num_interruptions=_require(d, "num_interruptions", int, where),
             timings=dict(_require(d, "timings", dict, where)),
-            info=dict(_require(d, "info", dict, where)),
+            info=info,
         )
+
+
+def nonfinite_score(reward: Any, info: dict[str, Any]) -> str:
+    """"" when a trajectory's reward and turn scores (`info["turn_scores"]`) are finite numbers, else which is
+    not: the one rule for what can be trained, applied where a trajectory is made and where it arrives."""
+    if not _number(reward):
+        return f"reward: must be finite, got {reward!r}"
+    scores = info.get("turn_scores", [])
+    if isinstance(scores, (list, tuple)) and not all(_number(x) for x in scores):
+        return f"info.turn_scores: must be finite, got {list(scores)!r}"
+    return ""
 
 
 def trajectory_from_generation(

@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help=text, description=text)
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's run_dir (holds metrics.jsonl)")
     p.add_argument("--out", "-o", default=None, help="where the report goes (default RUN_DIR/report)")
-    text = "check a run's trajectory ledger: prints lost=N duplicated=N, exits 1 unless both are 0"
+    text = "check a run's trajectory ledger: prints lost=N duplicated=N invented=N, exits 1 unless all are 0"
     p = sub.add_parser("audit", help=text, description=text)
     p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="the run's directory (both sides' when they differ)")
     text = "CURVE key pairs (trainer and rollout side) for transport.curve_keys_dir"
@@ -82,7 +82,8 @@ def _audit(run_dirs: list[str]) -> int:
     result = audit(run_dirs)
     for line in result.lines():
         print(line)
-    for kind, ids in (("lost", result.lost_ids), ("duplicated", result.duplicated_ids)):
+    for kind, ids in (("lost", result.lost_ids), ("duplicated", result.duplicated_ids),
+                      ("invented", result.invented_ids)):
         if ids:
             print(f"{kind} ids (first 10): {', '.join(ids[:10])}")
     return 0 if result.ok else 1

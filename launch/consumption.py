@@ -56,7 +56,6 @@ class Consumption:
         self.ledger, self.queue = ledger, queue
         self.prompts = prompts.copy() if prompts is not None else PromptSet()
         self.uncommitted: list[str] = []
-        self._sides: set[str] = set()
 
     def consume(self, step: int, kept: list[Trajectory], stale: list[Trajectory], future: list[Trajectory]) -> None:
         """A batch went through step `step`: record what became of each trajectory, free its room."""
@@ -82,10 +81,3 @@ class Consumption:
         if self.uncommitted:
             self.queue.commit(self.uncommitted)
         self.uncommitted = []
-
-    def note_sessions(self) -> None:
-        """Record each producer the trainer has heard from (the audit asks for every side's ledger)."""
-        for name in self.queue.producer_names():
-            if name not in self._sides:
-                self._sides.add(name)
-                self.ledger.record("session", producer=name)

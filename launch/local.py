@@ -269,8 +269,10 @@ def ledger_lines(run_dir: str) -> list[str]:
     except ValueError:  # no ledger (the rollout side writes into another run directory)
         return []
     return ["trajectories: " + result.lines()[0].replace("=", " ")
-            + f"; lost {len(result.lost_ids)}, trained twice {len(result.duplicated_ids)}; prompts lost "
-            f"{len(result.lost_prompts)}, trained twice {len(result.duplicated_prompts)} (`async-rl audit {run_dir}`)"]
+            + f"; lost {len(result.lost_ids)}, trained twice {len(result.duplicated_ids)}, invented "
+            f"{len(result.invented_ids)}; prompts lost "
+            f"{len(result.lost_prompts)}, trained twice {len(result.duplicated_prompts)} (`async-rl audit {run_dir}`)",
+            *(line for line in result.lines()[2:] if line.startswith("refused"))]
 
 
 def run_local(cfg: Config) -> list[str]:

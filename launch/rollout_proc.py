@@ -109,7 +109,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
     weights = keeper.receiver if keeper else weights
     metrics = MetricsLogger(Path(cfg.run_dir) / "rollout_metrics.jsonl", tensorboard=cfg.log.tensorboard)
     ledger = Ledger(Path(cfg.run_dir) / "ledger_rollout.jsonl")  # trajectory ids produced (`async-rl audit`)
-    ledger.record("side", producer=producer_id)
+    ledger.record("side", producer=producer_id, identity=queue.identity)  # the audit matches it to the trainer's
     pool.start()
     try:
         joined_at = int(queue.trainer_state.get("policy_version", 0))
@@ -184,8 +184,9 @@ class _DurableSink:
         self.queue, self.outbox = queue, outbox
 
     async def put_group(self, trajectories: list) -> None:
+        frames = self.queue.pack_group(trajectories)  # GroupRefused (too large for the trainer) before it is kept
         self.outbox.put(trajectories)
-        await self.queue.put_group(trajectories)
+        await self.queue.put_group(trajectories, frames)
 
 
 def server_config(cfg: Config, index: int, count: int, slot: GpuSlot) -> Config:

@@ -27,12 +27,14 @@ import torch
 from tqdm import tqdm
 
 from async_rl.config import Config
+from async_rl.models import model_config
 from async_rl.trainer.backends import train_staleness
 from async_rl.trainer.checkpoint import complete_checkpoints, prune_checkpoints
 from async_rl.trainer.dynamic_sampling import fill_batch
 from async_rl.trainer.trainer import split_by_age
 from async_rl.utils.ledger import Ledger, committed_state
 from async_rl.utils.prompts import PromptSet
+from async_rl.transport.peers import group_frame_limit
 from async_rl.transport.queue import QueueTimeout, TrajectoryQueueServer
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.protocols import WeightPublisher
@@ -126,6 +128,10 @@ def trainer_main(cfg: Config, gpu_memory_fraction: float = 0.0) -> None:
 def trainer_rank_main(cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int,
                       local_rank: int | None = None, check_followers=None) -> None:
     """One trainer rank; returns when rank 0 has trained `total_steps` steps (or raises)."""
+    if cfg.agent.modules:  # a user's module may register a loss or an advantage estimator the trainer looks up
+        from async_rl.agent.base import import_agent_modules
+
+        import_agent_modules(list(cfg.agent.modules))
     if rank > 0:
         follower_main(cfg, rank, world_size, master_addr, master_port, local_rank)
         return
@@ -145,21 +151,49 @@ def trainer_rank_main(cfg: Config, rank: int, world_size: int, master_addr: str,
 def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     if cores is not None:
         refresh_per_layer(trainer.model, cores)
+    ledger = Ledger(run_dir / "ledger_trainer.jsonl")  # what became of every id, checked by `async-rl audit`
+    # HELLOs wait until the state is loaded (open): a side that joined a resuming trainer before would be told
+    # version 0, nothing consumed, and throw away a valid outbox, and generate committed prompts again
+    try:
+        queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity, heartbeat_s=cfg.transport.heartbeat_s,
+                                      peer_timeout_s=cfg.transport.peer_timeout_s,
+                                      curve_keys_dir=cfg.transport.curve_keys_dir, max_frame=max_frame(cfg), greet=False)
+    except BaseException:
+        ledger.close()
+        raise
+    queue.journal = ledger.record  # sessions, groups received and refused
     metrics = MetricsLogger(run_dir / "metrics.jsonl", tensorboard=cfg.log.tensorboard)
     traj_log = MetricsLogger(run_dir / "trajectories.jsonl", tensorboard=False) if cfg.log.trajectories else None
-    queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity,
-                                  heartbeat_s=cfg.transport.heartbeat_s, peer_timeout_s=cfg.transport.peer_timeout_s,
-                                  curve_keys_dir=cfg.transport.curve_keys_dir)
+    try:
+        _serve(cfg, trainer, cores, run_dir, queue, ledger, metrics, traj_log)
+    finally:
+        metrics.close()
+        if traj_log is not None:
+            traj_log.close()
+        queue.close()
+        ledger.record("held_at_end", queue.unconsumed_ids())  # delivered, never consumed: the audit's "untrained"
+        ledger.close()
+
+
+def max_frame(cfg: Config) -> int:
+    """The largest GROUP frame the trainer takes in: a group of rollout.group_size trajectories each as long as
+    the model's context, with headroom (transport.peers.group_frame_limit)."""
+    context = getattr(model_config(cfg.model), "max_position_embeddings", 0) or 32768
+    return group_frame_limit(cfg.rollout.group_size, context)
+
+
+def _serve(cfg: Config, trainer, cores, run_dir: Path, queue: TrajectoryQueueServer, ledger: Ledger,
+           metrics: MetricsLogger, traj_log: MetricsLogger | None) -> None:
     logger.info("trainer queue listening on %s", queue.address)
     publisher = build_publisher(cfg, queue.broadcast)  # weight_sync.transport: disk | zmq | dist
     (run_dir / "trainer_address").write_text(queue.address)
     queue.run_id = _run_id(run_dir, cfg.trainer.resume)
-    start, prompts = _resume(cfg, trainer, run_dir, queue) if cfg.trainer.resume else (0, PromptSet())
-    mark_up(run_dir, "trainer")
-    ledger = Ledger(run_dir / "ledger_trainer.jsonl")  # trained / dropped ids, checked by `async-rl audit`
+    start, prompts = _resume(cfg, trainer, run_dir, queue, ledger) if cfg.trainer.resume else (0, PromptSet())
     book = Consumption(ledger, queue, prompts)
     policy = CheckpointPolicy(cfg.trainer.checkpoint_every, cfg.trainer.checkpoint_budget)
     queue.set_trainer_state(trainer.policy_version, trainer.policy_version * cfg.trainer.batch_size, book.prompts)
+    queue.open()
+    mark_up(run_dir, "trainer")
     # a thread lock, not tqdm's default multiprocessing one: a semaphore of a SIGKILLed trainer would be
     # reported leaked by the launcher's resource tracker at the end of a run that recovered from it
     tqdm.set_lock(threading.RLock())
@@ -180,7 +214,7 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             buffered = queue.stats().get("queue/depth", 0)  # what the rollout side had ready when asked
             try:
                 groups = _next_batch(queue, cfg, book, step, filtered,
-                                     on_tick=lambda: (versions.check(), book.note_sessions(), drain.check()))
+                                     on_tick=lambda: (versions.check(), drain.check()))
             except DrainRequested:
                 break
             wait_s = time.perf_counter() - t0
@@ -228,11 +262,6 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
             best.finish(trainer)
     finally:
         bar.close()
-        metrics.close()
-        ledger.close()
-        if traj_log is not None:
-            traj_log.close()
-        queue.close()
 
 
 def _mean_threads(cores, thread_s: float, span_s: float) -> float:
@@ -279,7 +308,8 @@ def _run_id(run_dir: Path, resume: bool) -> str:
     return run_id
 
 
-def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -> tuple[int, PromptSet]:
+def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer,
+            ledger: Ledger) -> tuple[int, PromptSet]:
     """Restore the newest checkpoint (weights, optimizer, version, RNG), or go back to step 0 with
     the initial weights when there is none; return the step to continue at and the prompt positions
     consumed before it. Everything after that step is undone: its metrics rows are dropped, the
@@ -296,11 +326,8 @@ def _resume(cfg: Config, trainer, run_dir: Path, queue: TrajectoryQueueServer) -
     if path.is_file():
         keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
         path.write_text("".join(line + "\n" for line in keep))
-    ledger_path = run_dir / "ledger_trainer.jsonl"
-    ids, prompts = committed_state(ledger_path, step)
-    ledger = Ledger(ledger_path)
+    ids, prompts = committed_state(ledger.path, step)
     ledger.record("resumed", from_step=step)
-    ledger.close()
     queue.mark_seen(ids)  # sent again by a producer: acknowledged, not trained twice
     logger.info("resumed from %s: step %d, policy version %d (%d trajectories consumed before it)",
                 ckpt or "the initial weights", step, trainer.policy_version, len(ids))

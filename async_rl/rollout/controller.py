@@ -30,7 +30,7 @@ from async_rl.rollout.periodic_eval import PeriodicEval
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.rollout.staleness import StalenessGate
 from async_rl.rollout.weight_update import update_servers
-from async_rl.types import Sample, SamplingParams, new_id
+from async_rl.types import GroupRefused, Sample, SamplingParams, new_id, nonfinite_score
 from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.prompts import PROMPT_KEY, PromptSet
@@ -72,6 +72,7 @@ class RolloutController:
         self.interrupted = 0
         self.restarted_stale = 0
         self.released = 0  # trajectories the trainer consumed without a version (dropped whole, filtered)
+        self.refused = 0  # trajectories of groups this side refused to send (a non-finite score, too large a frame)
         self.superseded = 0  # weight versions skipped: pruned behind newer ones before any server loaded them
         self._attempts: dict[asyncio.Task, int] = {}  # generations in flight -> the version each started under
         self._running: dict[int, asyncio.Task] = {}  # prompt position -> its group, until generated
@@ -153,10 +154,37 @@ class RolloutController:
             t.info[PROMPT_KEY] = position  # the trainer's and the audit's account of the prompt stream
         if self.ledger is not None:  # before sending: a group lost on the way shows up in the audit
             self.ledger.record("produced", [t.id for t in trajs], prompt=position)
-        await self.sink.put_group(list(trajs))
+        try:
+            self._check_scores(sample, position, trajs)
+            await self.sink.put_group(list(trajs))
+        except GroupRefused as exc:
+            self._refuse(position, trajs, exc)
+            return
         self.groups_pushed += 1
         self.trajectories_pushed += len(trajs)
         self.interrupted += sum(1 for t in trajs if t.num_interruptions > 0)
+
+    def _check_scores(self, sample: Sample, position: int, trajs: list) -> None:
+        """A trajectory whose reward (or a turn score) is not a finite number cannot be trained: GroupRefused
+        naming the reward function and the sample (its whole group goes: a group's advantages need every score)."""
+        bad = [(k, why) for k, t in enumerate(trajs) if (why := nonfinite_score(t.reward, t.info))]
+        if not bad:
+            return
+        fn = getattr(self.task.reward, "__qualname__", repr(self.task.reward))
+        raise GroupRefused(f"a non-finite score from agent loop {sample.agent or self.cfg.rollout.agent!r} "
+                           f"(reward function {fn})",
+                           f"sample {sample.id} (prompt {position}), answer {bad[0][0] + 1} of {len(trajs)}: "
+                           f"{bad[0][1]} ({len(bad)} of the group's answers so)")
+
+    def _refuse(self, position: int, trajs: list, refusal: GroupRefused) -> None:
+        """A group that cannot be trained: not sent, ledgered as refused, its room in the staleness count given back."""
+        logger.warning("refused a group, not sent to the trainer: %s%s", refusal,
+                       f"; {refusal.detail}" if refusal.detail else "")
+        if self.ledger is not None:
+            self.ledger.record("refused", [t.id for t in trajs], prompt=position, reason=str(refusal),
+                               detail=refusal.detail)
+        self.refused += len(trajs)
+        self.gate.release(len(trajs))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -240,7 +268,7 @@ class RolloutController:
             self.periodic_eval.maybe_start(version)
         stats.update({"rollout/groups_pushed": self.groups_pushed, "rollout/trajectories_pushed": self.trajectories_pushed,
                       "rollout/interrupted": self.interrupted, "rollout/restarted_stale": self.restarted_stale,
-                      "rollout/released": self.released,
+                      "rollout/released": self.released, "rollout/refused": self.refused,
                       "rollout/weights_superseded": self.superseded,
                       "rollout/in_flight": sum(self.pool.in_flight),
                       # this process's CPU seconds since generation began besides weight updates (requests,

@@ -133,9 +133,8 @@ class _Zap(ThreadAuthenticator):
 class CurveServer:
     """Trainer side: a zmq context whose ZAP thread admits the keys of `keys_dir/authorized_clients`.
 
-    `socket` makes the (one) CURVE server socket and a monitor of its failed handshakes;
-    the socket's owner calls `drain_refusals` when the monitor is readable and `close`
-    once the socket is closed."""
+    `socket` makes the (one) CURVE server socket; its owner monitors it (transport/monitor.py),
+    hands each failed handshake to `refused`, and calls `close` once the socket is closed."""
 
     def __init__(self, keys_dir: str):
         d = _keys_dir(keys_dir, "trainer")
@@ -151,7 +150,6 @@ class CurveServer:
         self._zap.start()
         self._zap.configure_curve_callback("*", credentials_provider=self)
         self._logged: set[Any] = set()
-        self.monitor: zmq.Socket | None = None
         logger.info("CURVE on the trajectory queue: %d authorised producer key(s) in %s", len(self.allowed),
                     d / AUTHORIZED)
 
@@ -159,7 +157,6 @@ class CurveServer:
         sock = self.context.socket(kind)
         sock.curve_server = True
         sock.curve_secretkey, sock.curve_publickey = self.secret, self.public
-        self.monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
         return sock
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -173,25 +170,15 @@ class CurveServer:
                            key[:8].decode(errors="replace"), AUTHORIZED)
         return False
 
-    def drain_refusals(self) -> int:
-        """Count (and log once per kind) the failed handshakes the monitor reported since the last call."""
-        refused = 0
-        while True:
-            try:
-                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return refused
-            refused += 1
-            kind = (event["event"], event["value"])
-            if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH and kind not in self._logged:
-                self._logged.add(kind)  # before ZAP: the monitor does not say which peer it was
-                logger.warning("refused a connection at %s: %s (further ones are only counted in "
-                               "queue/auth_refused)", event["endpoint"].decode(errors="replace"),
-                               why_refused(*kind))
+    def refused(self, event: dict[str, Any]) -> None:
+        """A failed handshake the socket's monitor reported: logged once per kind (ZAP logs its own)."""
+        kind = (event["event"], event["value"])
+        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_AUTH and kind not in self._logged:
+            self._logged.add(kind)  # before ZAP: the monitor does not say which peer it was
+            logger.warning("refused a connection at %s: %s (further ones are only counted in "
+                           "queue/auth_refused)", event["endpoint"].decode(errors="replace"), why_refused(*kind))
 
     def close(self) -> None:
-        """After the server socket is closed: stop the monitor and the ZAP thread, end the context."""
-        if self.monitor is not None:
-            self.monitor.close(0)
+        """After the server socket is closed: stop the ZAP thread, end the context."""
         self._zap.stop()
         self.context.destroy(linger=0)

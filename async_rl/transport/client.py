@@ -13,6 +13,12 @@ drops the frames and then answers BULK_ACK, which is what lets the trainer send 
 
 With `curve_keys_dir` (see `auth.py`) the socket is a CURVE client of the trainer; a trainer
 that refuses it at the handshake makes `connect` raise `HandshakeRefusedError` at once, saying why.
+Its identity, to the trainer, is then its public key, not the name it says (`identity`); its zmq
+routing id is that key too, so a peer that says the same name is another producer, never this one.
+
+A trainer of another protocol version answers HELLO with REFUSED: `connect` raises
+`ProtocolMismatchError` naming both versions. A group whose frame is larger than the trainer takes
+(`WELCOME.max_frame`) is refused here (`GroupRefused`), before it is kept or sent.
 """
 
 from __future__ import annotations
@@ -33,15 +39,19 @@ import zmq.asyncio
 
 from async_rl.transport.auth import HANDSHAKE_FAILED, client_curve_options, client_handshake_error
 from async_rl.transport.messages import (
-    BULK, MAX_ID_CHARS, TO_ROLLOUT, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
-    TrainerHeartbeat, Welcome, pack, unpack)
+    BULK, MAX_ID_CHARS, PROTOCOL_VERSION, TO_ROLLOUT, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello,
+    Message, Refused, TrainerHeartbeat, Welcome, pack, protocol_mismatch, unpack)
 from async_rl.transport.peers import PeerTimeoutError, PeerUnreachableError, _check_addr, _check_timing
-from async_rl.types import Trajectory, WireFormatError, new_id
+from async_rl.types import GroupRefused, Trajectory, WireFormatError, new_id
 
 logger = logging.getLogger(__name__)
 
 
 _END = object()  # ends controls()
+
+
+class ProtocolMismatchError(ConnectionError):
+    """The trainer speaks another version of the queue protocol."""
 
 
 @dataclass
@@ -69,8 +79,11 @@ class TrajectoryQueueClient:
             raise ValueError(f"producer_id: must have 1..{MAX_ID_CHARS} characters (255 bytes in UTF-8) and not "
                              f"start with NUL, got {self.producer_id!r}")
         self.heartbeat_s, self.peer_timeout_s = heartbeat_s, peer_timeout_s
+        # who the trainer takes this producer to be: its CURVE public key when keys are on, else its name
+        self.identity = self._curve[zmq.CURVE_PUBLICKEY].decode() if self._curve else self.producer_id
         self._sock: zmq.asyncio.Socket | None = None
         self.capacity = 0
+        self.max_frame = 0  # the largest GROUP frame the trainer takes (WELCOME; 0 = no limit)
         self.trainer_state: dict[str, Any] = {}  # from WELCOME: policy_version, admitted, run_id
         self.on_acked: Callable[[list[str]], None] | None = None  # ids the trainer consumed (the outbox forgets them)
         self.on_session: Callable[[dict[str, Any]], None] | None = None  # a later WELCOME's trainer_state
@@ -116,7 +129,7 @@ class TrajectoryQueueClient:
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), *self._curve.items()):
             sock.setsockopt(opt, value)
-        sock.setsockopt(zmq.IDENTITY, self.producer_id.encode())
+        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
         monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)  # a refused handshake fails connect at once
         try:
             sock.connect(self.addr)
@@ -156,17 +169,39 @@ class TrajectoryQueueClient:
                     raise PeerUnreachableError(f"no trainer answered at {self.addr} within {timeout_s:g}s "
                                                "(is the trainer running and bound to this address?)")
                 msg = self._parse(await self._sock.recv_multipart(copy=False))
+                if isinstance(msg, Refused):
+                    raise self._refused(msg)
                 if isinstance(msg, Welcome) and msg.session == self._session:
+                    if msg.protocol != PROTOCOL_VERSION:
+                        raise self._refused(Refused(reason="", protocol=msg.protocol))
                     return msg
         finally:
             hello.cancel()  # nothing if it was sent
 
-    async def put_group(self, trajectories: list[Trajectory]) -> None:
+    def _refused(self, msg: Refused) -> ProtocolMismatchError:
+        error = ProtocolMismatchError(f"the trainer at {self.addr} refused this producer: "
+                                      f"{protocol_mismatch(PROTOCOL_VERSION, msg.protocol, 'producer')}")
+        logger.error("%s", error)
+        return error
+
+    def pack_group(self, trajectories: list[Trajectory]) -> list[bytes]:
+        """The GROUP frames of `trajectories`, numbered as the next group (hand them to `put_group` with no
+        await between); GroupRefused if the trainer would not take a frame that large (WELCOME.max_frame)."""
+        frames = pack(Group(seq=self._seq + 1, trajectories=tuple(trajectories)))
+        size = len(frames[1])
+        if self.max_frame and size > self.max_frame:
+            raise GroupRefused(f"its frame is {size} bytes, over the {self.max_frame} bytes the trainer takes (the "
+                               "largest group its config can produce, with headroom): a larger one would cut "
+                               "the link")
+        return frames
+
+    async def put_group(self, trajectories: list[Trajectory], frames: list[bytes] | None = None) -> None:
         """Send one group whole; returns once it is sent, waiting for credits (backpressure) first.
+        `frames`: the group's `pack_group`, when the caller made them already.
 
         Raises PeerTimeoutError if the trainer goes silent meanwhile, TypeError if a trajectory
-        holds something the codec cannot send. If cancelled before the group went out, the
-        group is withdrawn.
+        holds something the codec cannot send, GroupRefused if its frame is over the trainer's
+        limit. If cancelled before the group went out, the group is withdrawn.
         """
         trajs = list(trajectories)
         if not trajs or not all(isinstance(t, Trajectory) for t in trajs):
@@ -179,7 +214,7 @@ class TrajectoryQueueClient:
         if len(trajs) > self.capacity:
             raise ValueError(f"put_group: a group of {len(trajs)} never fits the trainer's capacity "
                              f"{self.capacity}; raise transport.capacity")
-        frames = pack(Group(seq=self._seq + 1, trajectories=tuple(trajs)))
+        frames = frames or self.pack_group(trajs)
         self._seq += 1
         seq = self._seq
         self._groups[seq] = _Outgoing(frames, len(trajs), {t.id for t in trajs})
@@ -274,6 +309,7 @@ class TrajectoryQueueClient:
 
     def _on_welcome(self, msg: Welcome) -> None:
         self.capacity, self._granted, self._sent, self._want = msg.capacity, msg.granted, 0, 0
+        self.max_frame = msg.max_frame
         self._registered = True
         self.trainer_state = {"policy_version": msg.policy_version, "admitted": msg.admitted, "run_id": msg.run_id,
                               "prompts": msg.prompts}
@@ -360,6 +396,11 @@ class TrajectoryQueueClient:
                                    "out): saying HELLO again", self.addr)
                     self._registered = False
                     await self._hello()
+            elif isinstance(msg, (Refused, Welcome)) and (isinstance(msg, Refused) or msg.protocol != PROTOCOL_VERSION):
+                self._error = self._refused(msg if isinstance(msg, Refused) else Refused(reason="", protocol=msg.protocol))
+                self._kick.set()
+                self._controls.put_nowait(_END)
+                return
             elif isinstance(msg, Welcome) and msg.session == self._session:
                 self._on_welcome(msg)
             elif isinstance(msg, Bulk):

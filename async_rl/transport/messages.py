@@ -2,7 +2,8 @@
 
 A message travels as two zmq frames, `[kind, codec.encode(msg.to_wire())]`. Rollout ->
 trainer: HELLO, GROUP, HB (`Heartbeat`), BYE, BULK_ACK. Trainer -> rollout: WELCOME, CREDIT,
-CONTROL, HB (`TrainerHeartbeat`), BULK. `unpack` turns frames into a message of a kind the
+CONTROL, HB (`TrainerHeartbeat`), BULK, REFUSED (a HELLO of another protocol version: both
+versions named on both sides, `protocol_mismatch`). `unpack` turns frames into a message of a kind the
 receiving side accepts and raises `WireFormatError` naming the bad field otherwise.
 
 BULK is the one message with more frames: `[BULK, header, data frame, ...]`, a CONTROL-like
@@ -26,12 +27,13 @@ from async_rl.transport.codec import decode, encode
 from async_rl.types import Trajectory, WireFormatError
 from async_rl.utils.prompts import PromptSet
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: WELCOME.max_frame, REFUSED
 MAX_ID_CHARS = 200
 
 HELLO, GROUP, HEARTBEAT, BYE = b"HELLO", b"GROUP", b"HB", b"BYE"
 WELCOME, CREDIT, CONTROL = b"WELCOME", b"CREDIT", b"CONTROL"
 BULK, BULK_ACK = b"BULK", b"BULK_ACK"
+REFUSED = b"REFUSED"
 MAX_ERROR_CHARS = 2000
 
 _MISSING = object()
@@ -51,6 +53,19 @@ def _get(d: Any, key: str, kind: type | tuple[type, ...], where: str, default: A
         raise WireFormatError(f"{where}.{key}: expected {'/'.join(k.__name__ for k in kinds)}, "
                               f"got {type(value).__name__}")
     return value
+
+
+def protocol_mismatch(ours: int, theirs: Any, side: str) -> str:
+    """The one error both sides give when their queue protocol versions differ."""
+    other = "producer" if side == "trainer" else "trainer"
+    return (f"queue protocol mismatch: this {side} speaks version {ours}, the {other} version {theirs!r}; "
+            "run the same async_rl version on both sides")
+
+
+def hello_protocol(payload: Any) -> Any:
+    """The protocol version a HELLO's decoded payload states (None if it states none): read before the rest of
+    the HELLO, whose shape may be another version's."""
+    return payload.get("protocol") if isinstance(payload, dict) else None
 
 
 def _count(d: Any, key: str, where: str, default: Any = _MISSING) -> int:
@@ -81,7 +96,7 @@ class Hello:
             raise WireFormatError(f"HELLO.producer_id: must have 1..{MAX_ID_CHARS} characters, got {len(pid)}")
         protocol = _get(d, "protocol", int, "HELLO")
         if protocol != PROTOCOL_VERSION:
-            raise WireFormatError(f"HELLO.protocol: this trainer speaks version {PROTOCOL_VERSION}, got {protocol}")
+            raise WireFormatError(protocol_mismatch(PROTOCOL_VERSION, protocol, "trainer"))
         return cls(producer_id=pid, session=_count(d, "session", "HELLO", 0), protocol=protocol)
 
 
@@ -166,11 +181,12 @@ class Welcome:
     admitted: int = 0
     run_id: str = ""  # the trainer's run (a producer's durable outbox belongs to one run)
     prompts: PromptSet = field(default_factory=PromptSet)
+    max_frame: int = 0  # the largest GROUP frame the trainer takes (bytes; 0 = no limit): a bigger one cuts the link
 
     def to_wire(self) -> dict[str, Any]:
         return {"capacity": self.capacity, "granted": self.granted, "session": self.session,
                 "protocol": self.protocol, "policy_version": self.policy_version, "admitted": self.admitted,
-                "run_id": self.run_id, "prompts": self.prompts.to_wire()}
+                "run_id": self.run_id, "prompts": self.prompts.to_wire(), "max_frame": self.max_frame}
 
     @classmethod
     def from_wire(cls, d: Any) -> "Welcome":
@@ -181,7 +197,8 @@ class Welcome:
                    session=_count(d, "session", "WELCOME", 0), protocol=_get(d, "protocol", int, "WELCOME"),
                    policy_version=_count(d, "policy_version", "WELCOME", 0),
                    admitted=_count(d, "admitted", "WELCOME", 0), run_id=_get(d, "run_id", str, "WELCOME", ""),
-                   prompts=_prompt_set(_get(d, "prompts", dict, "WELCOME", {}), "WELCOME.prompts"))
+                   prompts=_prompt_set(_get(d, "prompts", dict, "WELCOME", {}), "WELCOME.prompts"),
+                   max_frame=_count(d, "max_frame", "WELCOME", 0))
 
 
 def _prompt_set(d: dict[str, Any], where: str) -> PromptSet:
@@ -305,9 +322,26 @@ class BulkAck:
         return cls(seq=_count(d, "seq", "BULK_ACK"), error=_get(d, "error", str, "BULK_ACK", ""))
 
 
-Message = Union[Hello, Group, Heartbeat, Bye, Welcome, Credit, Control, TrainerHeartbeat, Bulk, BulkAck]
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refused:
+    """The trainer turns a HELLO away (its protocol version is another): `reason` says why, `protocol` is the
+    trainer's version. Its shape never changes between versions, so a producer of any version reads it."""
+
+    KIND: ClassVar[bytes] = REFUSED
+    reason: str
+    protocol: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"reason": self.reason[:MAX_ERROR_CHARS], "protocol": self.protocol}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "Refused":
+        return cls(reason=_get(d, "reason", str, "REFUSED"), protocol=_get(d, "protocol", int, "REFUSED"))
+
+
+Message = Union[Hello, Group, Heartbeat, Bye, Welcome, Credit, Control, TrainerHeartbeat, Bulk, BulkAck, Refused]
 TO_TRAINER: Mapping[bytes, type] = {m.KIND: m for m in (Hello, Group, Heartbeat, Bye, BulkAck)}
-TO_ROLLOUT: Mapping[bytes, type] = {m.KIND: m for m in (Welcome, Credit, Control, TrainerHeartbeat, Bulk)}
+TO_ROLLOUT: Mapping[bytes, type] = {m.KIND: m for m in (Welcome, Credit, Control, TrainerHeartbeat, Bulk, Refused)}
 
 
 def pack(msg: Message) -> list[bytes]:

@@ -11,6 +11,11 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
+
+from async_rl.transport.codec import decode
+from async_rl.types import WireFormatError
+from async_rl.utils.prompts import prompt_of
 
 
 class QueueTimeout(TimeoutError):
@@ -58,17 +63,62 @@ class _RecentIds:
 
 @dataclass
 class _Producer:
-    identity: bytes
-    name: str
+    identity: bytes  # its zmq routing id
+    name: str  # the name it says in HELLO
+    who: str = ""  # who it is: its CURVE public key when keys are on, else its name (the trainer's ledger)
     granted: int = 0  # credits granted in this session (cumulative)
     received: int = 0  # trajectories received in this session (cumulative, duplicates included)
     want: int = 0  # cumulative credits it needs to send its next group; waiting while want > granted
     waiting_since: float = 0.0
     last_seen: float = field(default_factory=time.monotonic)
 
+    log_window: float = 0.0  # when its current 10 s window of refusal lines began (monotonic)
+    logged: int = 0  # refusal lines of it in that window
+
     @property
     def held(self) -> int:
         return max(0, self.granted - self.received)
+
+    def may_log(self, most: int = 10, window_s: float = 10.0) -> bool:
+        """A line for each refused group, but at most `most` per `window_s` from one producer (a flood is counted)."""
+        now = time.monotonic()
+        if now - self.log_window > window_s:
+            self.log_window, self.logged = now, 0
+        self.logged += 1
+        return self.logged <= most
+
+
+# bytes of one trajectory on the wire: per token its id (int32); per response token also its loss mask (uint8),
+# behaviour log-prob (float32) and version (int32); per trajectory its ids, reward, timings, info and framing
+_TOKEN_BYTES = 4 + 1 + 4 + 4
+_TRAJECTORY_BYTES = 64 << 10
+FRAME_HEADROOM = 2
+
+
+def group_frame_limit(group_size: int, max_tokens: int) -> int:
+    """The largest GROUP frame a trainer takes (its socket's MAXMSGSIZE): `group_size` trajectories of
+    `max_tokens` tokens each (the model's context), twice over, and never under 1 MiB."""
+    return max(1 << 20, FRAME_HEADROOM * group_size * (max_tokens * _TOKEN_BYTES + _TRAJECTORY_BYTES))
+
+
+def readable_group(payload: Any) -> tuple[int, list[str], list[Any]] | None:
+    """What can be read of a GROUP that does not parse: (its trajectories, their ids, their prompt positions),
+    or None when not even its trajectories can be counted. The ids and positions are for the ledger."""
+    try:
+        body = decode(payload)
+    except WireFormatError:
+        return None
+    wires = body.get("trajectories") if isinstance(body, dict) else None
+    if not isinstance(wires, list) or not wires:
+        return None
+    ids, prompts = [], []
+    for w in wires:
+        tid = w.get("id") if isinstance(w, dict) else None
+        if isinstance(tid, str) and 0 < len(tid) <= 200:
+            info = w.get("info")
+            ids.append(tid)
+            prompts.append(prompt_of(info) if isinstance(info, dict) else None)
+    return len(wires), ids, prompts
 
 
 def grant_credits(producers: list[_Producer], free: int, capacity: int) -> set[bytes]:

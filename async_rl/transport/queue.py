@@ -19,6 +19,20 @@ trainer consumed but has not committed is dropped and acknowledged at the next c
 
 With `curve_keys_dir` the connection is encrypted and only producers with an authorised
 client key get past the handshake (`auth.py`); refused handshakes count in `queue/auth_refused`.
+A producer's identity is then its public key (every message is checked to come from the key its
+routing id names), not the name it says in HELLO.
+
+What a producer cannot make the trainer train: a group beyond its credits, a group that does not
+parse (a non-finite reward included), a frame over `max_frame` bytes (ZeroMQ's MAXMSGSIZE cuts
+the connection; each cut without a goodbye is logged). A refused group is `journal`led with its
+reason (the trainer's ledger: the audit counts it lost unless its prompt is trained through
+another group); a malformed one is acknowledged (sending it again cannot help) and its room given
+back to its producer's staleness count. Every group taken in is journalled `received` under its
+producer's identity, so the audit can tell what was delivered, by whom.
+
+A trainer that resumes builds its queue with `greet=False`: HELLOs wait, unanswered, until
+`open()` (after the checkpoint is loaded and `set_trainer_state` holds what it restored), so no
+producer joins an empty state.
 
 Example (trainer side; the rollout side runs `TrajectoryQueueClient` from `client.py`):
 
@@ -37,7 +51,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import zmq
@@ -46,19 +60,19 @@ from async_rl.transport.auth import CurveServer
 from async_rl.transport.batching import take_groups
 from async_rl.transport.bulk import BulkLedger, BulkTicket
 from async_rl.transport.codec import encode
-from async_rl.transport.messages import (
-    CONTROL, TO_TRAINER, Bulk, BulkAck, Bye, Control, Credit, Group, Heartbeat, Hello, Message,
-    TrainerHeartbeat, Welcome, pack, unpack)
+from async_rl.transport.intake import Intake
+from async_rl.transport.messages import CONTROL, Bulk, Control, Credit, Hello, Message, TrainerHeartbeat, pack
+from async_rl.transport.monitor import QueueMonitor
 from async_rl.transport.peers import (  # noqa: F401  (errors re-exported: callers import them from here)
     PeerTimeoutError, PeerUnreachableError, QueueTimeout, _check_addr, _check_timing, _Producer, _RecentIds,
     grant_credits, heard_within)
-from async_rl.types import Trajectory, WireFormatError
-from async_rl.utils.prompts import PromptSet, held_positions, prompt_of
+from async_rl.types import Trajectory
+from async_rl.utils.prompts import PromptSet, prompt_of
 
 logger = logging.getLogger(__name__)
 
 
-class TrajectoryQueueServer:
+class TrajectoryQueueServer(Intake):
     """Trainer side. One background thread owns the ROUTER socket; every public method is thread-safe.
 
     `get_groups` acknowledges what it returns unless called with `ack=False`; then the caller
@@ -69,22 +83,26 @@ class TrajectoryQueueServer:
     """
 
     def __init__(self, addr: str, capacity: int, *, heartbeat_s: float = 2.0, peer_timeout_s: float = 60.0,
-                 dedup_window: int = 1_000_000, curve_keys_dir: str = ""):
+                 dedup_window: int = 1_000_000, curve_keys_dir: str = "", max_frame: int = 0, greet: bool = True):
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"transport.capacity: must be an integer >= 1, got {capacity!r}")
         _check_timing(heartbeat_s, peer_timeout_s)
         self.capacity, self.heartbeat_s, self.peer_timeout_s = capacity, heartbeat_s, peer_timeout_s
         self._auth = CurveServer(curve_keys_dir) if curve_keys_dir else None  # CURVE + ZAP, its own context
         self._sock = self._auth.socket(zmq.ROUTER) if self._auth else zmq.Context.instance().socket(zmq.ROUTER)
+        # MAXMSGSIZE bounds every frame a peer can make this process take in (ZeroMQ cuts its link instead)
         for opt, value in ((zmq.LINGER, 0), (zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1),
-                           (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+                           (zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.MAXMSGSIZE, max_frame or -1)):
             self._sock.setsockopt(opt, value)
+        self.max_frame = max_frame
+        self._monitor = QueueMonitor(self._sock, self._auth, max_frame)
         bind = _check_addr(addr)
         if bind.startswith("tcp://") and bind.endswith(":0"):
             bind = bind[:-2] + ":*"
         try:
             self._sock.bind(bind)
         except zmq.ZMQError as exc:
+            self._monitor.close()
             self._sock.close(0)
             if self._auth:
                 self._auth.close()
@@ -98,7 +116,8 @@ class TrajectoryQueueServer:
         self._counts = dict.fromkeys(("queue/received", "queue/groups", "queue/consumed", "queue/producers",
                                       "queue/credits_out", "queue/duplicates", "queue/malformed", "queue/overrun",
                                       "queue/unknown_peer", "queue/lost_producers", "queue/send_failed",
-                                      "queue/sessions"), 0)
+                                      "queue/sessions", "queue/refused", "queue/protocol_refused",
+                                      "queue/wrong_key"), 0)
         self._trainer_state = (0, 0)  # (policy_version, trained batch slots): told to every producer that joins
         self._consumed_prompts = PromptSet()  # stream positions the trainer consumed (told to producers that join)
         self.run_id = ""  # the run this trainer belongs to (told to producers: their outboxes are per run)
@@ -109,8 +128,12 @@ class TrajectoryQueueServer:
         self._owner: dict[str, bytes] = {}  # trajectory id -> producer identity, until acknowledged
         self._seen = _RecentIds(dedup_window)
         self._committed = _RecentIds(dedup_window)  # ids whose consumption a checkpoint holds
-        self._producer_names: list[str] = []  # every producer that said HELLO, in order (the trainer's ledger)
+        self._sessions: set[tuple[str, str]] = set()  # (name, identity) of every producer greeted (journalled once)
+        self._greet = greet  # HELLOs answered; until open(), they wait in _waiting
+        self._waiting: dict[bytes, Hello] = {}
+        self._protocol_logged: set[bytes] = set()
         self._quiet_until = 0.0  # no malformed-message warning before this time (monotonic)
+        self.journal: Callable[..., None] | None = None  # journal(event, ids, **extra): the trainer's ledger
         self._outbox: deque[tuple[str, Any]] = deque()
         self._bulk = BulkLedger()  # bytes of BULK messages each producer has not acknowledged yet
         self._wake_r, self._wake_w = os.pipe()
@@ -221,17 +244,21 @@ class TrajectoryQueueServer:
             if prompts is not None:
                 self._consumed_prompts = prompts.copy()
 
-    def producer_names(self) -> list[str]:
-        """Every producer id that has said HELLO to this trainer, in order of first HELLO."""
+    def open(self) -> None:
+        """Answer HELLOs from now on (those that waited first): the trainer's state is loaded and set."""
+        self._post("open", None)
+
+    def unconsumed_ids(self) -> list[str]:
+        """Ids taken in and not consumed: buffered, or handed out by get_groups(ack=False) and not acknowledged."""
         with self._cond:
-            return list(self._producer_names)
+            return [t.id for g in self._buffer for t in g] + list(self._handed)
 
     def stats(self) -> dict[str, int]:
         with self._cond:
             return {"queue/depth": self._buffered, "queue/unacked": len(self._handed), **self._counts,
                     "queue/bulk_inflight_bytes": self._bulk.max_inflight(),
                     "queue/bulk_inflight_peak_bytes": self._bulk.peak_inflight,
-                    "queue/bulk_rejected": self._bulk.rejected}
+                    "queue/bulk_rejected": self._bulk.rejected, "queue/cut": self._monitor.cuts}
 
     def producers_heard_within(self, seconds: float) -> int:
         """Connected producers that sent anything in the last `seconds` (peers.heard_within)."""
@@ -289,6 +316,7 @@ class TrajectoryQueueServer:
                 self._error = exc
                 self._cond.notify_all()
         finally:
+            self._monitor.close()
             self._sock.close(0)
             if self._auth:
                 self._auth.close()
@@ -297,114 +325,26 @@ class TrajectoryQueueServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._auth:
-            poller.register(self._auth.monitor, zmq.POLLIN)
+        poller.register(self._monitor.sock, zmq.POLLIN)
         next_hb = time.monotonic()
         while not self._closed.is_set():
             events = dict(poller.poll(max(0, min(100, int((next_hb - time.monotonic()) * 1000)))))
             if self._wake_r in events:
                 os.read(self._wake_r, 4096)
-            if self._auth and self._auth.monitor in events:
-                self._count("queue/auth_refused", self._auth.drain_refusals())
             for _ in range(256):  # bounded, so acks and controls are not starved by a flood
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 self._receive(frames)
+            if self._monitor.sock in events:  # after the messages: a BYE explains its disconnect
+                self._count("queue/auth_refused", self._monitor.drain())
+            self._monitor.settle()
             acks = self._drain_outbox()
             self._grant_and_notify(acks)
             if time.monotonic() >= next_hb:
                 self._heartbeat()
                 next_hb = time.monotonic() + self.heartbeat_s
-
-    def _receive(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        try:
-            if len(frames) != 3:
-                raise WireFormatError(f"expected frames [kind, payload], got {len(frames) - 1} frames")
-            msg = unpack(frames[1].bytes, frames[2].buffer, TO_TRAINER)
-        except WireFormatError as exc:
-            self._count("queue/malformed")
-            now = time.monotonic()
-            if now >= self._quiet_until:  # a flood of bad frames is counted, not logged line by line
-                self._quiet_until = now + 10.0
-                logger.warning("malformed message from %r dropped: %s (more within 10s are only counted in "
-                               "queue/malformed)", identity[:40], exc)
-            return
-        self._handle(identity, msg)
-
-    def _handle(self, identity: bytes, msg: Message) -> None:
-        producer = self._producers.get(identity)
-        if isinstance(msg, Hello):
-            if producer is not None:
-                logger.info("producer %s starts a new session (its %d held credits are freed)",
-                            producer.name, producer.held)
-            self._producers[identity] = _Producer(identity, msg.producer_id)
-            self._bulk.open(identity)
-            self._set_producer_count()
-            logger.info("producer %s connected", msg.producer_id)
-            with self._cond:
-                if msg.producer_id not in self._producer_names:
-                    self._producer_names.append(msg.producer_id)
-                version, slots = self._trainer_state
-                self._counts["queue/sessions"] += 1
-                admitted = slots + self._buffered + len(self._handed)
-                held = held_positions(self._consumed_prompts, self._buffer, self._handed.values())
-            self._send(identity, Welcome(capacity=self.capacity, granted=0, session=msg.session,
-                                         policy_version=version, admitted=admitted, run_id=self.run_id,
-                                         prompts=held))
-            return
-        if producer is None:  # we restarted or timed it out: it must say HELLO (and re-send) first
-            self._count("queue/unknown_peer")
-            if not isinstance(msg, Bye):
-                self._send(identity, TrainerHeartbeat(granted=0, registered=False))
-            return
-        producer.last_seen = time.monotonic()
-        if isinstance(msg, Group):
-            self._accept(producer, msg)
-        elif isinstance(msg, Heartbeat):
-            if msg.want > producer.granted and producer.want <= producer.granted:
-                producer.waiting_since = time.monotonic()
-            producer.want = msg.want
-        elif isinstance(msg, BulkAck):
-            self._bulk.ack(identity, msg.seq, msg.error, producer.name)
-        elif isinstance(msg, Bye):
-            del self._producers[identity]
-            self._bulk.drop(identity)
-            self._set_producer_count()
-            logger.info("producer %s left%s", producer.name, f": {msg.reason}" if msg.reason else "")
-
-    def _accept(self, producer: _Producer, group: Group) -> None:
-        n = len(group.trajectories)
-        producer.received += n
-        if producer.received > producer.granted:
-            over = min(n, producer.received - producer.granted)
-            self._count("queue/overrun", over)
-            logger.warning("producer %s sent %d trajectories beyond its credits", producer.name, over)
-        fresh = [t for t in group.trajectories if t.id not in self._seen]
-        if len(fresh) < n:
-            dups = [t.id for t in group.trajectories if t.id in self._seen]
-            self._count("queue/duplicates", len(dups))
-            logger.info("dropped %d re-sent trajectories from %s", len(dups), producer.name)
-            done = tuple(i for i in dups if i in self._committed)
-            for tid in dups:  # consumed, not committed yet: acknowledged to this producer at the commit
-                if tid not in self._committed:
-                    self._owner[tid] = producer.identity
-            if done:
-                self._send(producer.identity, Credit(granted=producer.granted, acks=done))
-        if not fresh:
-            return
-        for t in fresh:
-            self._seen.add(t.id)
-            self._owner[t.id] = producer.identity
-        with self._cond:
-            self._buffer.append(fresh)
-            self._buffered += len(fresh)
-            self._counts["queue/received"] += len(fresh)
-            self._counts["queue/groups"] += 1
-            self._counts["queue/credits_out"] = sum(p.held for p in self._producers.values())
-            self._cond.notify_all()
 
     def _drain_outbox(self) -> dict[bytes, list[str]]:
         """Send queued controls; return consumed ids to acknowledge, by producer."""
@@ -415,6 +355,11 @@ class TrajectoryQueueServer:
                 for identity in list(self._producers):
                     self._send_frames(identity, [CONTROL, item])
                 del item  # a tracked frame completes once no reference is left
+            elif what == "open":
+                self._greet = True
+                for identity, hello in self._waiting.items():
+                    self._welcome(identity, hello)
+                self._waiting.clear()
             elif what == "seen":
                 for tid in item:
                     self._seen.add(tid)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from async_rl.transport import codec
 from async_rl.transport.codec import DTYPES, decode, encode
 from async_rl.transport.messages import (
-    CONTROL, GROUP, TO_ROLLOUT, TO_TRAINER, Control, Credit, Group, Hello, Welcome, pack, unpack)
+    CONTROL, GROUP, PROTOCOL_VERSION, TO_ROLLOUT, TO_TRAINER, Control, Credit, Group, Hello, Welcome, pack, unpack)
 from async_rl.types import Trajectory, WireFormatError
 
 
@@ -217,8 +217,8 @@ def test_messages_are_validated_on_receipt():
     good = make_traj().to_wire()
     bad(b"NOPE", {}, TO_TRAINER, "unknown message kind", "HELLO")
     bad(CONTROL, {"kind": "stop"}, TO_TRAINER, "unknown message kind")  # wrong direction
-    bad(b"HELLO", {"producer_id": 3, "protocol": 1}, TO_TRAINER, "HELLO.producer_id", "expected str")
-    bad(b"HELLO", {"producer_id": "p", "protocol": 99}, TO_TRAINER, "HELLO.protocol")
+    bad(b"HELLO", {"producer_id": 3, "protocol": PROTOCOL_VERSION}, TO_TRAINER, "HELLO.producer_id", "expected str")
+    bad(b"HELLO", {"producer_id": "p", "protocol": 99}, TO_TRAINER, "protocol mismatch", "version 2", "version 99")
     bad(GROUP, {"seq": 1, "trajectories": []}, TO_TRAINER, "at least one")
     bad(GROUP, {"seq": True, "trajectories": [good]}, TO_TRAINER, "GROUP.seq", "bool")
     bad(GROUP, {"seq": 1, "trajectories": [good, good]}, TO_TRAINER, "repeat")
@@ -231,4 +231,4 @@ def test_messages_are_validated_on_receipt():
     bad(CONTROL, {"version": 1}, TO_ROLLOUT, "CONTROL.kind", "missing")
     bad(CONTROL, [1, 2], TO_ROLLOUT, "CONTROL", "expected a map")
     with pytest.raises(WireFormatError, match="HELLO.producer_id"):
-        Hello.from_wire({"producer_id": "", "protocol": 1})
+        Hello.from_wire({"producer_id": "", "protocol": PROTOCOL_VERSION})

@@ -1,8 +1,8 @@
 """The trajectory ledger's audit judges the final history: each guarantee broken on purpose is found.
 
-Events are written as the sides write them (rollout: side, produced with its prompt, discarded,
-untrained_at_end, abandoned_groups; trainer: session, trained/dropped_* with step and prompts,
-resumed), then `audit` and `async-rl audit` must name what is wrong.
+Events are written as the sides write them (rollout: side, produced with its prompt, refused, discarded,
+untrained_at_end, abandoned_groups; trainer: session, received, refused, trained/dropped_* with step and
+prompts, resumed, held_at_end), then `audit` and `async-rl audit` must name what is wrong.
 """
 
 import json
@@ -36,9 +36,14 @@ def _trained(ids, prompt, step):
     return ("trained", ids, {"prompts": [prompt] * len(ids), "step": step})
 
 
+def _received(ids, prompt, who="P"):
+    return ("received", ids, {"prompts": [prompt] * len(ids), "identity": who})
+
+
 def test_a_clean_run_audits_clean_and_the_command_exits_0(tmp_path, capsys):
-    _write(tmp_path, [*SIDE, _produced(["a", "b"], 0), _produced(["c", "d"], 1), ("untrained_at_end", ["d"], {})],
-           [*SESSION, _trained(["a", "b"], 0, 0),
+    _write(tmp_path, [*SIDE, _produced(["a", "b"], 0), _produced(["c"], 1), _produced(["d"], 2),
+                      ("untrained_at_end", ["d"], {})],
+           [*SESSION, _received(["a", "b"], 0), _trained(["a", "b"], 0, 0), _received(["c"], 1),
             ("dropped_stale", ["c"], {"prompts": [1], "step": 1})])
     result = audit([tmp_path])
     assert result.ok, result.lines()
@@ -146,3 +151,72 @@ def test_filtered_groups_are_accounted_and_use_up_their_prompt(tmp_path):
     # a resume back to step 0 undoes the filtering too: unless the group comes back, it is lost
     _write(tmp_path, None, [("resumed", [], {"from_step": 0})])
     assert audit([tmp_path]).lost_ids == ["a", "b", "c", "d"]
+
+
+# --------------------------------------------------------------------------- what the audit's words mean
+def test_delivered_and_never_trained_is_lost_though_reported_untrained_at_end(tmp_path):
+    """The hole a non-finite reward fell through: the trainer took the group in and never trained it; the
+    rollout side reported it untrained at the end. Only what the trainer held when it ended is untrained."""
+    rollout = [*SIDE, _produced(["a"], 0), _produced(["b"], 1), _produced(["c"], 2),
+               ("untrained_at_end", ["b", "c"], {})]
+    trainer = [*SESSION, _received(["a"], 0), _trained(["a"], 0, 0), _received(["b"], 1), _received(["c"], 2),
+               ("held_at_end", ["c"], {})]
+    _write(tmp_path, rollout, trainer)
+    result = audit([tmp_path])
+    assert result.lost_ids == ["b"] and result.lost_prompts == [1] and result.untrained_at_end == 1, result.lines()
+
+
+def test_what_a_trainer_held_before_it_restarted_is_not_held_at_the_end(tmp_path):
+    _write(tmp_path, [*SIDE, _produced(["a"], 0), ("untrained_at_end", ["a"], {})],
+           [*SESSION, _received(["a"], 0), ("held_at_end", ["a"], {}), ("resumed", [], {"from_step": 0})])
+    assert audit([tmp_path]).lost_ids == ["a"]
+
+
+def test_never_sent_is_untrained_only_while_nothing_after_it_was_sent(tmp_path):
+    """A side sends in order: an older group left in its outbox while newer ones went out was never re-sent."""
+    rollout = [*SIDE, _produced(["a"], 0), _produced(["b"], 1), _produced(["c"], 2), _produced(["d"], 3),
+               ("untrained_at_end", ["b", "d"], {})]
+    trainer = [*SESSION, _received(["a"], 0), _trained(["a"], 0, 0), _received(["c"], 2), _trained(["c"], 2, 1)]
+    _write(tmp_path, rollout, trainer)
+    result = audit([tmp_path])
+    assert result.lost_ids == ["b"] and result.untrained_at_end == 1, result.lines()  # d was last in line: fine
+
+
+def test_training_rolled_back_and_never_resent_is_lost_though_the_prompt_came_again(tmp_path):
+    """Issue 41's case 2: trained at step 1, resumed from step 1, never re-sent, the prompt generated again:
+    the old audit called it replaced (rolled_back=1 lost=0). Replaced means never delivered."""
+    rollout = [*SIDE, _produced(["a"], 0), _produced(["b"], 1), _produced(["b2"], 1)]
+    trainer = [*SESSION, _received(["a"], 0), _trained(["a"], 0, 0), _received(["b"], 1), _trained(["b"], 1, 1),
+               ("resumed", [], {"from_step": 1}), _received(["b2"], 1), _trained(["b2"], 1, 1)]
+    _write(tmp_path, rollout, trainer)
+    result = audit([tmp_path])
+    assert result.lost_ids == ["b"] and result.replaced == 0 and result.rolled_back == 1, result.lines()
+
+
+def test_trained_but_produced_by_no_side_or_by_another_is_invented(tmp_path):
+    """A peer that took the side's name: what it fed the trainer was never produced (or not by it)."""
+    rollout = [*SIDE, _produced(["a"], 0), _produced(["b"], 1)]
+    trainer = [*SESSION, ("session", [], {"producer": "P", "identity": "K-thief"}), _received(["a"], 0),
+               _received(["x"], 1, who="P"), _received(["b"], 1, who="K-thief"), _trained(["a", "x", "b"], 0, 0)]
+    t = _write(tmp_path, None, trainer, "t")
+    r = _write(tmp_path, rollout, None, "r")
+    result = audit([t, r])
+    assert result.invented_ids == ["b", "x"] and result.missing_sides == ["K-thief"] and not result.ok
+    # the same run with only the side's own deliveries is clean
+    _write(tmp_path, None, [*SESSION, _received(["a"], 0), _received(["b"], 1), _trained(["a", "b"], 0, 0)], "t2")
+    assert audit([tmp_path / "t2", r]).ok
+
+
+def test_refused_groups_are_lost_unless_their_prompt_was_trained_through_another(tmp_path, capsys):
+    nan = "malformed: GROUP.trajectories[0]: Trajectory.reward: must be finite, got nan"
+    rollout = [*SIDE, _produced(["a"], 0), _produced(["b"], 1), ("refused", ["b"], {"prompt": 1, "reason": "nan reward"}),
+               _produced(["c"], 2), _produced(["c2"], 2), ("untrained_at_end", ["c"], {})]
+    trainer = [*SESSION, _received(["a"], 0), _trained(["a"], 0, 0),
+               ("refused", ["c"], {"prompts": [2], "reason": nan, "identity": "P"}), _received(["c2"], 2),
+               _trained(["c2"], 2, 1)]
+    _write(tmp_path, rollout, trainer)
+    result = audit([tmp_path])
+    assert result.refused == 2 and result.lost_ids == ["b"] and result.lost_prompts == [1], result.lines()
+    assert result.refusals == {"nan reward": 1, nan: 1}
+    assert main(["audit", str(tmp_path)]) == 1
+    assert f"refused 1: {nan}" in capsys.readouterr().out
