@@ -12,7 +12,8 @@ from the first generation to the last train step, held-out accuracy before and a
 wall-clock training time to each `task.eval_targets` accuracy (from the periodic evaluations), the
 highest periodic accuracy and the curve. Repeats of one seed on one machine give nearly the same
 curve (fp32 is deterministic but for timing races): how often learning falls back needs `--seeds`.
-Whether learning holds, over the runs: how many end within `HOLD` (0.03) of their best test accuracy
+What each run did: versions loaded into its servers, trajectories interrupted by a weight update, the
+largest staleness trained, `async-rl audit`'s verdict. Whether learning holds, over the runs: how many end within `HOLD` (0.03) of their best test accuracy
 (the highest of the periodic ones and the final), the median final and best, and the version
 `async-rl run` kept as run_dir/best (chosen on validation) with its test accuracy. Each run's
 per-step learning diagnostics (`DIAGNOSTICS`) go to the .json. Writes benchmarks/results/demo[_avx2].md
@@ -69,12 +70,19 @@ def one_run(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
     dtype = next((line for line in p.stdout.splitlines() if line.startswith("engine dtype:")), "")
     curve = [round(e["eval/accuracy"], 4) for e in periodic]
     best = _best(run_dir)
+    audit = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir)], cwd=ROOT, capture_output=True,
+                           text=True)
+    loaded = [r for r in rows(run_dir / "rollout_metrics.jsonl") if r.get("sync/servers_loaded")]
     drop_bulk(run_dir)  # ~4.6 GB of checkpoints and weight versions a run: a seed sweep filled the disk
     return {"seed": config.get("seed"), "peak": max(curve, default=None), "curve": curve,
             "val_curve": [round(e["eval/val_accuracy"], 4) for e in periodic if "eval/val_accuracy" in e],
             "wall_s": wall, "train_wall_s": metrics[-1]["time"] - started, "steps": len(metrics),
             "accuracy_before": before["eval/accuracy"], "accuracy_after": after["eval/accuracy"],
             "eval_n": after["eval/n"], "time_to": reach, "dtype_line": dtype, "best_kept": best,
+            "interrupted": sum(r.get("rollout/interrupted", 0) for r in metrics),
+            "staleness_max": max((r.get("train/staleness_max", 0) for r in metrics), default=None),
+            "versions_loaded": len(loaded), "audit_ok": audit.returncode == 0,
+            "audit": audit.stdout.strip().splitlines()[-1] if audit.stdout.strip() else audit.stderr[-300:],
             "diagnostics": {k: [r.get(k) for r in metrics] for k in DIAGNOSTICS if any(k in r for r in metrics)}}
 
 
@@ -146,7 +154,8 @@ def report(name: str, runs: list[dict], overrides: list[str], seeds: list[int] |
              + " | ".join(summary([r['time_to'][t] for r in runs], " s") for t in targets) + " |", ""]
     lines += holding(runs) + ["Runs:", ""]
     lines += [f"- seed {r.get('seed')}: {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}, highest "
-              f"{r.get('peak')}, curve {r.get('curve')}" + _kept_text(r) for r in runs if "curve" in r]
+              f"{r.get('peak')}, curve {r.get('curve')}" + _kept_text(r) + _accounting_text(r)
+              for r in runs if "curve" in r]
     lines += ["", "Records (per-step diagnostics in the .json):", ""]
     lines += [f"- {json.dumps({k: v for k, v in r.items() if k != 'diagnostics'})}" for r in runs]
     return write_results(name, "\n".join(lines), {"runs": runs})
@@ -160,6 +169,14 @@ def holding(runs: list[dict]) -> list[str]:
             "run_dir/best's test accuracy (chosen on validation) |".format(HOLD), "|---|---|---|---|",
             f"| {sum(held(r) for r in runs)} of {len(runs)} | {summary([r['accuracy_after'] for r in runs])} | "
             f"{summary(bests)} | {summary(kept) if kept else 'n/a'} |", ""]
+
+
+def _accounting_text(run: dict) -> str:
+    """What the run did with its weights and trajectories (absent from records made before these fields)."""
+    if "audit" not in run:
+        return ""
+    return (f"; {run['versions_loaded']} versions loaded, {run['interrupted']} trajectories interrupted by an "
+            f"update, staleness at most {run['staleness_max']}, audit {'clean' if run['audit_ok'] else 'FAILED'}")
 
 
 def _kept_text(run: dict) -> str:
