@@ -19,6 +19,11 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from async_rl.utils.ledger import audit
+from tests.e2e.clitools import running
+from tests.e2e.test_supervision import _finish, _output, _pid, _start, _wait_for
+from tests.e2e.test_supervision import _rows as _sup_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
 STEPS = 8
@@ -75,3 +80,36 @@ def test_resume_after_sigkill_trains_what_the_uninterrupted_run_trains(tmp_path)
     a, b = load_file(str(tmp_path / "full" / final)), load_file(str(run / final))
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
     assert "joining a run in progress" in (run / "logs" / "rollout.log").read_text()
+
+
+def test_a_rollout_side_that_joins_a_trainer_still_loading_its_checkpoint_waits_for_its_state(tmp_path):
+    """The trainer killed mid-run restarts with a slow checkpoint load (`slow_resume.py`), and the rollout side
+    restarted with it says HELLO meanwhile. The queue answers no HELLO before the state is loaded: the side
+    joins at the restored version with the consumed prompts, keeps its outbox and its eval.jsonl, and nothing
+    is trained twice. (Answered at once, it was told version 0 and nothing consumed: it threw away the groups
+    sampled since, and generated the committed prompts again.)"""
+    steps = 5
+    proc = _start(tmp_path, f"total_steps={steps}", "trainer.batch_size=32", "trainer.checkpoint_every=2",
+                  "trainer.checkpoint_budget=0", "agent.modules=[tests.e2e.slow_resume]")
+    try:
+        _wait_for(lambda: len(_sup_rows(tmp_path / "metrics.jsonl")) >= 3
+                  and (tmp_path / "checkpoints" / "step_000002" / "meta.json").is_file(), proc, why="3 steps")
+        pid = _pid(tmp_path, "trainer")
+        os.kill(pid, signal.SIGKILL)
+        _wait_for(lambda: not running(pid), proc, why="the trainer gone")
+        _finish(proc, timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out, err = _output(proc)
+    assert proc.returncode == 0, err[-3000:]
+    trainer_log = (tmp_path / "logs" / "trainer.log").read_text()
+    resumed = int(trainer_log.split("resumed from ")[1].split("step ")[1].split(",")[0])
+    assert resumed >= 2, trainer_log[-2000:]
+    rollout_log = (tmp_path / "logs" / "rollout.log").read_text()
+    assert f"joining a run in progress at version {resumed}" in rollout_log, rollout_log[-3000:]
+    assert "discarded" not in rollout_log  # nothing of its outbox taken for a discarded future
+    evals = [json.loads(line)["when"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert evals[0] == "before" and evals[-1] == "after", evals  # the first side's "before" kept
+    audited = audit([tmp_path])
+    assert audited.ok and audited.rolled_back > 0, audited.lines()  # step(s) redone, none trained twice
