@@ -30,7 +30,7 @@ from async_rl.rollout.periodic_eval import PeriodicEval
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.rollout.staleness import StalenessGate
 from async_rl.rollout.weight_update import update_servers
-from async_rl.types import GroupRefused, Sample, SamplingParams, new_id, nonfinite_score
+from async_rl.types import GroupRefused, RequestRefused, Sample, SamplingParams, new_id, nonfinite_score
 from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.prompts import PROMPT_KEY, PromptSet
@@ -146,7 +146,7 @@ class RolloutController:
         t0 = time.perf_counter()
         self._running[position] = asyncio.current_task()
         try:
-            trajs = await asyncio.gather(*(self._one(sample, group_id, k) for k in range(self.cfg.rollout.group_size)))
+            trajs, refused = await self._samples_of(sample, group_id)
         finally:
             self._running.pop(position, None)
         for t in trajs:
@@ -155,6 +155,9 @@ class RolloutController:
         if self.ledger is not None:  # before sending: a group lost on the way shows up in the audit
             self.ledger.record("produced", [t.id for t in trajs], prompt=position)
         try:
+            if refused is not None:  # one request of the group was refused: the group cannot be trained
+                raise GroupRefused("a generation server refused a request of the group",
+                                   f"sample {sample.id} (prompt {position}): {refused}")
             self._check_scores(sample, position, trajs)
             await self.sink.put_group(list(trajs))
         except GroupRefused as exc:
@@ -163,6 +166,24 @@ class RolloutController:
         self.groups_pushed += 1
         self.trajectories_pushed += len(trajs)
         self.interrupted += sum(1 for t in trajs if t.num_interruptions > 0)
+
+    async def _samples_of(self, sample: Sample, group_id: str) -> tuple[list, RequestRefused | None]:
+        """The group's samples, generated at once; a request a server refuses (`RequestRefused`: a prompt too long
+        for its context, parameters it will not take) ends the group: the others are cancelled and what finished
+        comes back with the refusal. Any other failure is raised."""
+        tasks = [asyncio.ensure_future(self._one(sample, group_id, k)) for k in range(self.cfg.rollout.group_size)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+            if failed or not all(t.done() for t in tasks):  # a failure, or this group is cancelled
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        refusal = next((t.exception() for t in failed if isinstance(t.exception(), RequestRefused)), None)
+        if failed and refusal is None:
+            raise failed[0].exception()
+        return [t.result() for t in tasks if not t.cancelled() and t.exception() is None], refusal
 
     def _check_scores(self, sample: Sample, position: int, trajs: list) -> None:
         """A trajectory whose reward (or a turn score) is not a finite number cannot be trained: GroupRefused
@@ -184,7 +205,7 @@ class RolloutController:
             self.ledger.record("refused", [t.id for t in trajs], prompt=position, reason=str(refusal),
                                detail=refusal.detail)
         self.refused += len(trajs)
-        self.gate.release(len(trajs))
+        self.gate.release(self.cfg.rollout.group_size)  # the whole group's room, however many of it finished
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -5,7 +5,8 @@ Each held-out sample runs as one greedy episode (temperature 0) of its own agent
 task is evaluated the way it is trained (tool calls run, users answer), not as one turn. A
 sample counts as solved when its episode earns the full reward (1); `eval/reward_mean` is the
 mean reward, which differs from the accuracy only for partial scores (an interaction's 0.5 for
-a second try).
+a second try). A problem the server refuses to generate for (a prompt too long for its context) is
+unsolved, and counted (`eval/refused`).
 
 A task with a validation set (`task.val_size`) has it evaluated beside the test set, in the same
 call: `eval/val_accuracy`, `eval/val_reward_mean`, `eval/val_n` (the run's best checkpoint is
@@ -22,7 +23,7 @@ from typing import Any
 from async_rl.agent import AgentContext, as_trajectory, build_agent_loop
 from async_rl.config import Config
 from async_rl.protocols import GenerationClient
-from async_rl.types import Sample, SamplingParams
+from async_rl.types import RequestRefused, Sample, SamplingParams
 
 
 async def evaluate(clients: list[GenerationClient], tokenizer: Any, task: Any, samples: list[Sample],
@@ -33,20 +34,24 @@ async def evaluate(clients: list[GenerationClient], tokenizer: Any, task: Any, s
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     slots = asyncio.Semaphore(max_concurrent)
 
-    async def one(i: int, sample: Sample) -> tuple[float, int, list[int]]:
+    async def one(i: int, sample: Sample) -> tuple[float, int, list[int], bool]:
         loop = build_agent_loop(sample.agent or agent, clients[i % len(clients)], tokenizer, task.reward, context)
         async with slots:
-            traj = as_trajectory(await loop.run(sample, params, group_id=f"eval-{i}"), f"eval-{i}", sample)
+            try:
+                traj = as_trajectory(await loop.run(sample, params, group_id=f"eval-{i}"), f"eval-{i}", sample)
+            except RequestRefused:  # the server will not answer this problem (too long a prompt): unsolved
+                return 0.0, 0, [], True
         sampled = traj.loss_mask.astype(bool)
-        return traj.reward, int(sampled.sum()), [int(v) for v in traj.versions[sampled]]
+        return traj.reward, int(sampled.sum()), [int(v) for v in traj.versions[sampled]], False
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
     n = max(len(results), 1)
-    versions = [v for _, _, vs in results for v in vs]
-    return {"eval/accuracy": sum(r >= 1.0 for r, _, _ in results) / n,
-            "eval/reward_mean": sum(r for r, _, _ in results) / n, "eval/n": len(results),
-            "eval/response_len_mean": sum(l for _, l, _ in results) / n, "eval/seconds": time.perf_counter() - t0,
+    versions = [v for _, _, vs, _ in results for v in vs]
+    return {"eval/accuracy": sum(r >= 1.0 for r, _, _, _ in results) / n,
+            "eval/refused": sum(refused for *_, refused in results),
+            "eval/reward_mean": sum(r for r, _, _, _ in results) / n, "eval/n": len(results),
+            "eval/response_len_mean": sum(l for _, l, _, _ in results) / n, "eval/seconds": time.perf_counter() - t0,
             "eval/version_min": min(versions, default=-1), "eval/version_max": max(versions, default=-1)}
 
 

@@ -61,6 +61,24 @@ def test_a_reward_that_is_nan_for_some_samples_finishes_its_steps_and_the_audit_
     assert "refused" in res.stdout and "a non-finite score from agent loop 'nan_reward'" in res.stdout  # says so
 
 
+def test_requests_a_server_refuses_end_their_groups_and_the_run_goes_on(tmp_path):
+    """A prompt longer than the model's context, for some samples: the server answers 400 (SGLang and vLLM also
+    send such a refusal as an error chunk inside an HTTP 200 stream). It used to stop the rollout side; now each
+    is one refused group, said in the log, and the audit finds the prompts that were never trained."""
+    steps = 3
+    res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", *QUICK,
+              "agent.modules=[tests.e2e.refused_request]", "rollout.agent=too_long", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not (tmp_path / "restarts.jsonl").exists(), res.stderr[-3000:]
+    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == list(range(steps))
+    refusals = [line for line in (tmp_path / "logs" / "rollout.log").read_text().splitlines()
+                if "a generation server refused a request of the group" in line]
+    assert refusals and all("request refused" in line for line in refusals), refusals[:3]
+    code, out = _audit(tmp_path)
+    lost_prompts = int(out.split("lost_prompts=")[1].split()[0])
+    assert code == 1 and lost_prompts > 0, out
+
+
 def test_with_the_outbox_resend_broken_a_trainer_restart_loses_what_the_audit_then_finds(tmp_path):
     """No checkpoint before the end (trainer.checkpoint_budget=0): the trainer killed after two steps
     resumes from step 0, and every group it had trained must come again from the rollout side's outbox."""
