@@ -12,7 +12,7 @@ once it is healthy. The guard
   process group when it goes (SIGTERM, then SIGKILL after a grace period);
 - makes the server die with it even when the guard itself is killed (PR_SET_PDEATHSIG, set from
   the guard's main thread, the one that forked the server);
-- exits with the server's exit code and writes the tail of its log as its one-line error.
+- reports the server's exit code and the last lines of its log as its one-line error.
 `wait_healthy` polls /health until it answers 200; a server that exits first, is not up in
 time, or whose start is abandoned (`Starting.abandon`: Ctrl-C or SIGTERM of the starter) is
 stopped before the error is raised. A real engine takes minutes to load and compile: the rollout
@@ -104,7 +104,7 @@ def _stop_group(popen: subprocess.Popen) -> None:
         return
 
 
-def guard_main(cfg: Config, command: list[str], extra_env: dict[str, str], log_path: str, what: str) -> None:
+def guard_main(cfg: Config, command: list[str], extra_env: dict[str, str], log_path: str) -> None:
     """Body of the guard process: run `command` (its output appended to `log_path`) until it exits."""
     log = Path(log_path)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,8 @@ def guard_main(cfg: Config, command: list[str], extra_env: dict[str, str], log_p
         code = popen.wait()
     finally:
         _stop_group(popen)  # on SIGTERM (KeyboardInterrupt here) or once it exited: nothing of it stays
-    raise RuntimeError(f"{what} exited with code {code} (log: {log}):\n{log_tail(log)}")
+    last = " | ".join(line.strip() for line in log_tail(log, 3).splitlines() if line.strip())
+    raise RuntimeError(f"exited with code {code} (log: {log}): {last}")
 
 
 def start_guarded(cfg: Config, name: str, command: list[str], extra_env: dict[str, str], starting: Starting, *,
@@ -124,7 +125,7 @@ def start_guarded(cfg: Config, name: str, command: list[str], extra_env: dict[st
     log_path = Path(cfg.run_dir) / "logs" / f"{name}.out"
     logger.info("starting %s: %s (output: %s)", what, " ".join(command), log_path)
     return starting.track(spawn(name, "launch.external_server:guard_main", cfg, env=env, command=command,
-                                extra_env=extra_env, log_path=str(log_path), what=what))
+                                extra_env=extra_env, log_path=str(log_path)))
 
 
 def wait_healthy(cfg: Config, proc: Any, url: str, starting: Starting, *, what: str, timeout_s: float,
