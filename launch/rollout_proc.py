@@ -117,7 +117,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
         evaluation = Evaluation.for_run(cfg, evaluator, tokenizer, task, build_agent_context(cfg.agent))
         if joined_at == 0:  # a side that joins a run in progress has no "before" to measure
             (Path(cfg.run_dir) / "eval.jsonl").unlink(missing_ok=True)
-            _record_eval(cfg, "before", 0, await evaluation.run())
+            _record_eval(cfg, "before", 0, await evaluation.run(validation=False))  # v0 is no candidate
         outbox = Outbox(Path(cfg.run_dir) / "outbox", str(queue.trainer_state.get("run_id", "")))
         queue.on_acked = outbox.ack
         pending = _resendable(outbox, ledger, joined_at)

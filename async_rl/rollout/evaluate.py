@@ -10,7 +10,8 @@ unsolved, and counted (`eval/refused`).
 
 A task with a validation set (`task.val_size`) has it evaluated beside the test set, in the same
 call: `eval/val_accuracy`, `eval/val_reward_mean`, `eval/val_n` (the run's best checkpoint is
-chosen on it; `eval/accuracy` stays the test set's, which nothing is chosen on).
+chosen on it; `eval/accuracy` stays the test set's, which nothing is chosen on). The evaluation
+before training skips it: the starting weights are no candidate.
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ class Evaluation:
         return cls(clients, tokenizer, task, context, cfg.rollout.eval_max_new_tokens, cfg.rollout.max_concurrent,
                    cfg.rollout.agent)
 
-    async def run(self) -> dict[str, float]:
-        """Evaluate the policy the servers hold now, on the test set and (where there is one) the validation set."""
+    async def run(self, validation: bool = True) -> dict[str, float]:
+        """Evaluate the policy the servers hold now, on the test set and (where there is one, and `validation`)
+        the validation set."""
         def on(samples: list[Sample]):
             return evaluate(self.clients, self.tokenizer, self.task, samples, self.max_new_tokens,
                             self.max_concurrent, agent=self.agent, context=self.context)
-        if not self.val_samples:
+        if not self.val_samples or not validation:
             return await on(self.samples)
         test, val = await asyncio.gather(on(self.samples), on(self.val_samples))
         return {**test, "eval/val_accuracy": val["eval/accuracy"], "eval/val_reward_mean": val["eval/reward_mean"],

@@ -129,6 +129,7 @@ def test_train_and_rollout_started_separately(tmp_path):
 def _best_is_the_best_validated(run_dir: Path, evals: list[dict], stdout: str) -> None:
     """run_dir/best is the first version with the highest validation accuracy of those evaluated (during
     training and after it), a Hugging Face model, and the summary names it and where it is."""
+    assert "eval/val_accuracy" not in evals[0]  # the starting weights are no candidate: not scored on it
     scored = [e for e in evals if e["when"] in ("periodic", "after")]
     top = max(e["eval/val_accuracy"] for e in scored)
     chosen = next(e for e in scored if e["eval/val_accuracy"] == top)
