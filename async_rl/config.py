@@ -78,10 +78,12 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for
     tool_parser: str = "hermes"  # how /v1/chat/completions reads tool calls from the text (async_rl/tool_parsers.py)
     # Bearer token the generation server requires on every route but /health(_generate) and
-    # /get_model_info (/model_info), and the rollout side sends; "" = open. "env:NAME" reads it from
-    # environment variable NAME (keeps it out of files and command lines); a literal is redacted
+    # /get_model_info (/model_info), and the rollout side sends; "" = open (refused at start-up on an
+    # engine.host other machines reach: async_rl/exposure.py). "env:NAME" reads it from environment
+    # variable NAME, "file:PATH" from a file (`async-rl keys` writes DIR/api_key); a literal is redacted
     # from the saved config.yaml.
     api_key: str = ""
+    insecure: bool = False  # true: serve an address other machines reach without api_key all the same, loudly
     # /generate with stream: true sends each chunk's new tokens only, not all so far (SGLang's
     # --incremental-streaming-output: O(n) bytes per response instead of O(n^2)); the rollout side reads
     # either shape; SGLang's own frontend (sglang.RuntimeEndpoint) needs false, SGLang's default
@@ -263,8 +265,10 @@ class TransportConfig:
     peer_timeout_s: float = 60.0  # a silent peer for this long is reported dead
     rejoin_timeout_s: float = 120.0  # the trainer waits this long for a lost rollout side to come back (0 = fail)
     # CURVE keys of the queue (and so of the zmq weight channel on it), from `async-rl keys --out DIR`:
-    # encrypted, and only producers whose key is in DIR/authorized_clients get in; "" = no auth.
+    # encrypted, and only producers whose key is in DIR/authorized_clients get in; "" = no auth, which
+    # a queue bound to an address other machines reach refuses at start-up (async_rl/exposure.py)
     curve_keys_dir: str = ""
+    insecure: bool = False  # true: bind such an address without keys all the same (a private network), loudly
 
 
 @dataclass
@@ -369,7 +373,14 @@ def missing_curve_files(keys_dir: str | os.PathLike, side: str) -> list[str]:
 
 
 def resolve_secret(value: str, key: str) -> str:
-    """A secret config value: itself, or for "env:NAME" the environment variable NAME (ConfigError if unset)."""
+    """A secret config value: itself, for "env:NAME" the environment variable NAME, for "file:PATH" the
+    file's first line (ConfigError if unset, missing or empty)."""
+    if value.startswith("file:"):
+        path = Path(value[len("file:"):])
+        secret = path.read_text().strip() if path.is_file() else ""
+        if not secret:
+            raise ConfigError(f"{key}: {path} is missing or empty (`async-rl keys --out DIR` writes DIR/api_key)")
+        return secret
     if not value.startswith("env:"):
         return value
     name = value[len("env:"):]
@@ -527,7 +538,7 @@ def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
     """Write the resolved config next to the run's outputs (a literal engine.api_key redacted)."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    if cfg.engine.api_key and not cfg.engine.api_key.startswith("env:"):
+    if cfg.engine.api_key and not cfg.engine.api_key.startswith(("env:", "file:")):
         cfg = replace(cfg, engine=replace(cfg.engine, api_key=REDACTED))
     out.write_text(to_yaml(cfg))
     return out

@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     text = "check a run's trajectory ledger: prints lost=N duplicated=N invented=N, exits 1 unless all are 0"
     p = sub.add_parser("audit", help=text, description=text)
     p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="the run's directory (both sides' when they differ)")
-    text = "CURVE key pairs (trainer and rollout side) for transport.curve_keys_dir"
+    text = "CURVE key pairs (trainer and rollout side) for transport.curve_keys_dir, and an engine.api_key token"
     p = sub.add_parser("keys", help=text, description=text)
     p.add_argument("--out", "-o", required=True, help="a new directory for the keys (never overwritten)")
     from launch.sim_cmd import add_parser
@@ -62,7 +62,8 @@ def _keys(out: str) -> int:
     for path in create_keys(out):
         print(f"wrote {path}", flush=True)
     print(f"trainer side needs server.key_secret and authorized_clients/, rollout side server.key and "
-          f"client.key_secret; run with transport.curve_keys_dir={out}", flush=True)
+          f"client.key_secret; run with transport.curve_keys_dir={out}; generation servers on an address other "
+          f"machines reach: engine.api_key=file:{out}/api_key", flush=True)
     return 0
 
 
@@ -124,10 +125,22 @@ def _placed_alone(cfg: Config, command: str) -> tuple[Config, dict[str, str], di
     return for_process(cfg, ROLLOUT, plan.servers[0]), plan.servers[0].env(), {}
 
 
+def _check_exposure(cfg: Config, command: str) -> None:
+    """Closed by default, before any process starts: the queue this command binds, and the generation servers it
+    starts, need a key where other machines reach them (async_rl/utils/exposure.py; each checks again as it binds)."""
+    from async_rl.utils.exposure import check_queue, check_server
+
+    if command in ("run", "train"):
+        check_queue(cfg.transport.addr, cfg.transport.curve_keys_dir, cfg.transport.insecure)
+    if command == "serve" or (command in ("run", "rollout") and not cfg.rollout.server_addrs):
+        check_server(cfg.engine.host, cfg.engine.api_key, cfg.engine.insecure)
+
+
 def _dispatch(command: str, cfg: Config) -> int:
     from launch import procs
     from launch.common import check_agents, pin_dtypes
 
+    _check_exposure(cfg, command)
     if command != "run" or cfg.launcher == "local":  # this process starts the children: warm their fork server
         procs.prestart()
     if command in ("run", "rollout"):  # a local run's rollout side runs here; a Ray run's, on some node

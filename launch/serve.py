@@ -37,6 +37,7 @@ from async_rl.engine.llm_engine import LLMEngine
 from async_rl.engine.server import build_app
 from async_rl.models import eos_token_ids, load_model, load_tokenizer
 from async_rl.placement import engine_share, kv_cache_bytes
+from async_rl.utils.exposure import check_server
 from async_rl.utils.hardware import resolve_device
 from launch.common import cap_gpu_memory, setup_cores
 
@@ -220,6 +221,7 @@ def gpu_engine_config(cfg: Config, device: torch.device) -> EngineConfig:
 
 
 def serve_main(cfg: Config, *, ready_file: str | None = None) -> None:
+    check_server(cfg.engine.host, cfg.engine.api_key, cfg.engine.insecure)  # closed by default: a key where others reach it
     cores = setup_cores(cfg, "engine")
     sock = bind_socket(cfg.engine.host, cfg.engine.port)  # fail early (port taken) before loading the model
     url = socket_url(sock)

@@ -30,6 +30,7 @@ import sys
 from typing import Any
 
 from async_rl.config import Config, resolve_secret
+from async_rl.utils.exposure import check_server
 from async_rl.utils.ports import free_port
 from launch.external_server import Starting, start_guarded, wait_healthy
 from launch.procs import server_name
@@ -79,6 +80,7 @@ def start_sglang(cfg: Config, index: int, env: dict[str, str] | None = None,
     """Start SGLang server `index` with `env` added to the inherited environment (its GPU: never the
     index, which would discard the user's or Ray's mask); return it and its URL once /health answers 200."""
     check_sglang(cfg, index)
+    check_server(cfg.engine.host, cfg.engine.api_key, cfg.engine.insecure)  # closed by default
     starting = starting or Starting()
     port = cfg.engine.port or free_port(cfg.engine.host)  # server_config already gave server `index` its own port
     host = f"[{cfg.engine.host}]" if ":" in cfg.engine.host else cfg.engine.host

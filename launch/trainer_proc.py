@@ -157,7 +157,8 @@ def _lead_run(cfg: Config, trainer, cores, run_dir: Path) -> None:
     try:
         queue = TrajectoryQueueServer(cfg.transport.addr, cfg.transport.capacity, heartbeat_s=cfg.transport.heartbeat_s,
                                       peer_timeout_s=cfg.transport.peer_timeout_s,
-                                      curve_keys_dir=cfg.transport.curve_keys_dir, max_frame=max_frame(cfg), greet=False)
+                                      curve_keys_dir=cfg.transport.curve_keys_dir, max_frame=max_frame(cfg), greet=False,
+                                      insecure=cfg.transport.insecure)
     except BaseException:
         ledger.close()
         raise

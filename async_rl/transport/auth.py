@@ -9,6 +9,7 @@ owner only:
     DIR/client.key_secret    a producer's key pair                    (rollout side only)
     DIR/authorized_clients/  public keys of the producers the trainer admits (a copy of client.key;
                              admit another producer by copying its public key file here)
+    DIR/api_key              a bearer token for the generation servers (engine.api_key=file:DIR/api_key)
 
 With `transport.curve_keys_dir=DIR` the trainer's ROUTER is a CURVE server (`CurveServer`)
 whose zmq context runs a ZAP handler that admits only the public keys of
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 KEY = "transport.curve_keys_dir"
 AUTHORIZED = "authorized_clients"
+API_KEY = "api_key"  # the generation servers' bearer token, beside the CURVE keys
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -65,9 +68,10 @@ def why_refused(event: int, value: int) -> str:
 
 
 def create_keys(out_dir: str | os.PathLike) -> list[Path]:
-    """Write a server and a client key pair and the authorised-clients directory; never overwrite keys."""
+    """Write a server and a client key pair, the authorised-clients directory and the generation servers' API
+    token (`api_key`, for engine.api_key=file:DIR/api_key); never overwrite keys."""
     out = Path(out_dir)
-    taken = [n for n in ("server.key", "server.key_secret", "client.key", "client.key_secret", AUTHORIZED)
+    taken = [n for n in ("server.key", "server.key_secret", "client.key", "client.key_secret", AUTHORIZED, API_KEY)
              if (out / n).exists()]
     if taken:
         raise FileExistsError(f"keys --out: {out / taken[0]} exists; keys are never overwritten "
@@ -78,6 +82,8 @@ def create_keys(out_dir: str | os.PathLike) -> list[Path]:
         written = [Path(p) for name in ("server", "client") for p in zmq.auth.create_certificates(out, name)]
         (out / AUTHORIZED).mkdir()
         written.append(Path(shutil.copyfile(out / "client.key", out / AUTHORIZED / "client.key")))
+        (out / API_KEY).write_text(secrets.token_urlsafe(32) + "\n")
+        written.append(out / API_KEY)
     finally:
         os.umask(old_umask)
     for path in written:

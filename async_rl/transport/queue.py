@@ -17,7 +17,8 @@ told only when the trainer `commit`s it, i.e. once a checkpoint holds the traini
 into: a trainer that crashes before that gets it sent again, not lost. A re-sent id the
 trainer consumed but has not committed is dropped and acknowledged at the next commit.
 
-With `curve_keys_dir` the connection is encrypted and only producers with an authorised
+Bound where other machines reach it (not loopback, ipc or inproc), the queue refuses to start without
+`curve_keys_dir` unless `insecure` (async_rl/utils/exposure.py). With `curve_keys_dir` the connection is encrypted and only producers with an authorised
 client key get past the handshake (`auth.py`); refused handshakes count in `queue/auth_refused`.
 A producer's identity is then its public key (every message is checked to come from the key its
 routing id names), not the name it says in HELLO.
@@ -67,6 +68,7 @@ from async_rl.transport.peers import (  # noqa: F401  (errors re-exported: calle
     PeerTimeoutError, PeerUnreachableError, QueueTimeout, _check_addr, _check_timing, _Producer, _RecentIds,
     grant_credits, heard_within)
 from async_rl.types import Trajectory
+from async_rl.utils.exposure import check_queue
 from async_rl.utils.prompts import PromptSet, prompt_of
 
 logger = logging.getLogger(__name__)
@@ -83,10 +85,12 @@ class TrajectoryQueueServer(Intake):
     """
 
     def __init__(self, addr: str, capacity: int, *, heartbeat_s: float = 2.0, peer_timeout_s: float = 60.0,
-                 dedup_window: int = 1_000_000, curve_keys_dir: str = "", max_frame: int = 0, greet: bool = True):
+                 dedup_window: int = 1_000_000, curve_keys_dir: str = "", max_frame: int = 0, greet: bool = True,
+                 insecure: bool = False):
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"transport.capacity: must be an integer >= 1, got {capacity!r}")
         _check_timing(heartbeat_s, peer_timeout_s)
+        check_queue(_check_addr(addr), curve_keys_dir, insecure)  # closed by default: keys where others reach it
         self.capacity, self.heartbeat_s, self.peer_timeout_s = capacity, heartbeat_s, peer_timeout_s
         self._auth = CurveServer(curve_keys_dir) if curve_keys_dir else None  # CURVE + ZAP, its own context
         self._sock = self._auth.socket(zmq.ROUTER) if self._auth else zmq.Context.instance().socket(zmq.ROUTER)

@@ -35,6 +35,20 @@ def test_config_mistakes(args, needle, tmp_path):
     assert_one_line_error(cli_here(*args, f"run_dir={tmp_path}" if "nope" not in args[2] else "x=1"), needle)
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--config", DEBUG, "transport.addr=tcp://0.0.0.0:5555"], "transport.curve_keys_dir: the trajectory "
+                                                                      "queue binds tcp://0.0.0.0:5555"),
+    (["run", "--config", DEBUG, "transport.addr=tcp://*:0"], "`async-rl keys --out DIR`"),
+    (["serve", "--config", DEBUG, "engine.host=0.0.0.0"], "engine.api_key: the generation server binds 0.0.0.0"),
+    (["run", "--config", DEBUG, "engine.host=0.0.0.0"], "engine.api_key=file:DIR/api_key"),
+])
+def test_an_address_other_machines_reach_needs_a_key_before_any_process_starts(args, needle, tmp_path):
+    """Closed by default: the queue without CURVE keys, a generation server without an API key."""
+    res = cli_here(*args, f"run_dir={tmp_path}")
+    assert_one_line_error(res, needle)
+    assert not [p.name for p in (tmp_path / "logs").glob("*") if p.name != "launcher.log"]  # refused in the launcher
+
+
 AGENTIC = str(ROOT / "configs" / "interaction_debug.yaml")
 
 

@@ -250,27 +250,68 @@ def test_api_key_from_the_environment_and_never_saved(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- the command line
-def test_keys_command_then_a_short_authenticated_run(tmp_path):
-    keys, run_dir = tmp_path / "keys", tmp_path / "run"
+def _routable_ip() -> str:
+    """An address of this machine that other machines could reach (its route out), or the wildcard."""
+    import socket
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))  # no packet is sent: it only picks the interface
+        ip = probe.getsockname()[0]
+    except OSError:
+        ip = "0.0.0.0"
+    finally:
+        probe.close()
+    return "0.0.0.0" if ip.startswith("127.") else ip
+
+
+def test_keys_command_then_the_two_machine_example_is_refused_without_keys_and_runs_with_them(tmp_path):
+    """docs/deployment.md's two machines, on one: the trainer binds an address other machines reach. Without
+    keys `async-rl train` stops with one line naming transport.curve_keys_dir and `async-rl keys`; with the
+    keys `async-rl keys` wrote (CURVE on the queue, the API token on the rollout side's servers) both sides run."""
+    from launch.common import free_port
+
+    keys = tmp_path / "keys"
     made = subprocess.run([sys.executable, "-m", "launch.cli", "keys", "--out", str(keys)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
-    for name in ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized_clients/client.key"):
+    for name in ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized_clients/client.key",
+                 "api_key"):
         assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600, name
     again = subprocess.run([sys.executable, "-m", "launch.cli", "keys", "--out", str(keys)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "never overwritten" in again.stderr
 
-    res = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "run", "--config", str(ROOT / "configs" / "debug_cpu.yaml"),
-         f"run_dir={run_dir}", "total_steps=2", f"transport.curve_keys_dir={keys}", f"engine.api_key={TOKEN}",
-         "weight_sync.transport=zmq", "trainer.batch_size=16", "task.eval_size=8", "log.progress=false"],
-        cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    ip = _routable_ip()
+    bind = f"tcp://{ip}:{free_port()}"
+    common = ["--config", str(ROOT / "configs" / "debug_cpu.yaml"), "total_steps=2", "weight_sync.transport=zmq",
+              "trainer.batch_size=16", "task.eval_size=8", "log.progress=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    open_train = subprocess.run([sys.executable, "-m", "launch.cli", "train", *common, f"run_dir={tmp_path / 'x'}",
+                                 f"transport.addr={bind}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert open_train.returncode == 2 and "transport.curve_keys_dir" in open_train.stderr, open_train.stderr
+    assert "`async-rl keys --out DIR`" in open_train.stderr and open_train.stderr.count("error: ") == 1
+
+    secured = [*common, f"transport.curve_keys_dir={keys}", f"engine.api_key=file:{keys / 'api_key'}"]
+    train = subprocess.Popen([sys.executable, "-m", "launch.cli", "train", *secured, f"run_dir={tmp_path / 'a'}",
+                              f"transport.addr={bind}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        connect = bind if ip != "0.0.0.0" else bind.replace("0.0.0.0", "127.0.0.1")
+        roll = subprocess.run([sys.executable, "-m", "launch.cli", "rollout", *secured, f"run_dir={tmp_path / 'b'}",
+                               f"transport.addr={connect}"], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                              env=env)
+        _, err = train.communicate(timeout=120)
+    finally:
+        train.kill()
+    assert roll.returncode == 0, roll.stderr[-3000:]
+    assert train.returncode == 0, err[-3000:]
     import json
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert all(r["queue/auth_refused"] == 0 for r in rows)
-    assert TOKEN not in (run_dir / "config.yaml").read_text()
-    assert "CURVE on the trajectory queue" in (run_dir / "logs" / "trainer.log").read_text()
+    assert "CURVE on the trajectory queue" in (tmp_path / "a" / "logs" / "train.log").read_text()
+    audited = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(tmp_path / "a"), str(tmp_path / "b")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert audited.returncode == 0, audited.stdout  # the side's identity is its key on both ledgers
