@@ -136,7 +136,7 @@ def _inject(run_dir: Path, name: str) -> None:
 
 
 def test_a_peer_that_takes_the_rollout_sides_name_is_found_by_the_audit(tmp_path):
-    steps = 6
+    steps = 5
     proc = _start(tmp_path, f"total_steps={steps}", *QUICK)
     try:
         _wait_for(lambda: len(_rows(tmp_path / "metrics.jsonl")) >= 1, proc, why="a step")

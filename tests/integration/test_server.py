@@ -299,10 +299,13 @@ def test_a_request_whose_body_never_arrives_does_not_hold_the_shutdown(tmp_path)
             took = time.monotonic() - t0
             answer = half.recv(4096).decode()
         err = proc.stderr.read()
-        assert EngineServer.GRACE_S - 0.5 <= took < 8.0, took  # it did wait for the request, not 10 s
+        assert took >= EngineServer.GRACE_S - 0.5, took  # it did wait for the request
         assert answer.startswith("HTTP/1.1 503") and "shutting down" in answer, answer
         assert "Traceback" not in err and "ERROR" not in err, err
-        assert "1 request(s) still running after 3s were cancelled" in err, err
+        # its own grace ended the wait, not uvicorn's 10 s (a bound on what happened, not on the clock: a
+        # loaded machine took 8.3 s here once)
+        assert f"1 request(s) still running after {EngineServer.GRACE_S:g}s were cancelled" in err, err
+        assert "graceful shutdown exceeded" not in err, err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -64,7 +64,7 @@ def test_acquire_wakes_when_a_server_rejoins():
         assert not waiter.done()
         pool.servers[0].healthy = True
         await pool._notify()
-        server = await asyncio.wait_for(waiter, 1)
+        server = await asyncio.wait_for(waiter, 30)  # a hang guard: it returns at once
         assert server is pool.servers[0]
 
     asyncio.run(main())

@@ -42,7 +42,7 @@ def test_wait_admit_blocks_until_version_advances():
         await asyncio.sleep(0.05)
         assert not waiter.done()
         gate.set_version(1)
-        await asyncio.wait_for(waiter, 1.0)
+        await asyncio.wait_for(waiter, 30.0)  # a hang guard: it returns at once
         assert gate.admitted == 12
 
     asyncio.run(scenario())
@@ -133,7 +133,7 @@ def test_a_waiter_is_admitted_when_pacing_lets_it():
         await asyncio.sleep(0.05)
         assert not waiter.done()
         gate.pace(0)  # the trainer waited: 2 ahead, the same version admits one batch more
-        await asyncio.wait_for(waiter, 1.0)
+        await asyncio.wait_for(waiter, 30.0)  # a hang guard: it returns at once
         assert gate.admitted == 12
 
     asyncio.run(scenario())
@@ -183,7 +183,7 @@ def test_a_waiter_of_a_ramping_gate_is_admitted_when_generations_finish_or_nothi
         assert not waiter.done()  # the first batch is all still generating
         generating[0] = 1
         gate.notify()  # three of them finished: under half a batch still generates
-        await asyncio.wait_for(waiter, 1.0)
+        await asyncio.wait_for(waiter, 30.0)  # a hang guard: it returns at once
         assert (gate.ahead, gate.admitted) == (1, 8)
         # a side that joins a run in progress (its count above a one-deep limit) generates nothing yet:
         # with nothing in flight the ramp opens the gate, rather than waiting for a finish that never comes
