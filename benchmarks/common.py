@@ -39,6 +39,16 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def cpu_kind() -> str:
+    """lscpu's model name and torch's CPU capability, with the bf16/AMX flags that decide the kernels."""
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = info.split("flags", 1)[-1].split("\n", 1)[0].split()
+    extras = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}" + (f" ({', '.join(extras)})" if extras else "")
+
+
 def synchronizer(device) -> Callable[[], None]:
     """A call that waits for the work queued on `device` (CUDA runs asynchronously: a clock stopped
     before it reads launch time); a no-op on CPU."""

@@ -24,6 +24,11 @@ of the engine phase next to KV budget + model + the process's footprint before l
     python benchmarks/engine_throughput.py --quick
     python benchmarks/engine_throughput.py --model smollm2-135m --dtype bfloat16
     python benchmarks/engine_throughput.py --model CHECKPOINT_DIR --dtype bfloat16 --device cuda --quick
+    python benchmarks/engine_throughput.py --backend vllm --model smollm2-135m --dtype bfloat16
+
+`--backend vllm` compares the engine with vLLM-CPU instead of `generate`, offline on this workload and
+served through vLLM's own serving benchmark, in one table with their ratio (benchmarks/engine_vs_vllm.py;
+results in engine_vs_vllm.json / .md).
 
 Results accumulate in benchmarks/results/engine_throughput.json (one entry per model and
 dtype); engine_throughput.md is rebuilt from it with the command line of each entry.
@@ -377,13 +382,33 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of engine + generate runs; medians (min-max)")
     ap.add_argument("--quick", action="store_true", help="64 prompts, halved lengths (< 2 minutes)")
+    ap.add_argument("--backend", default="hf", choices=sorted(BACKENDS),
+                    help="what the engine is compared with: hf (model.generate) | vllm (vLLM-CPU, offline and served; "
+                         "benchmarks/engine_vs_vllm.py)")
+    ap.add_argument("--vllm-python", default=None, help="--backend vllm: python of the vLLM environment (default: "
+                                                       "$ASYNC_RL_VLLM_PYTHON, .venv-vllm/bin/python, /tmp/vllm-venv)")
+    ap.add_argument("--modes", nargs="+", default=["offline", "served"], choices=["offline", "served"],
+                    help="--backend vllm: which comparisons to run")
+    ap.add_argument("--served-prompts", type=int, default=64, help="--backend vllm: requests of the serving benchmark")
+    ap.add_argument("--input-len", type=int, default=128, help="--backend vllm: served prompt tokens")
+    ap.add_argument("--output-len", type=int, default=128, help="--backend vllm: served generated tokens")
     args = ap.parse_args()
     if args.quick:
         args.num_prompts = min(args.num_prompts, 64)
-    torch.set_num_threads(args.threads or os.cpu_count())
-    entry = measure(args)
-    entries = write_results(entry, Path(args.results))
-    print(table({k: v for k, v in entries.items() if v is entry}))
+    args.threads = args.threads or os.cpu_count()
+    torch.set_num_threads(args.threads)
+    measure_fn, write_fn, table_fn = BACKENDS[args.backend]()
+    entry = measure_fn(args)
+    entries = write_fn(entry, Path(args.results))
+    print(table_fn({k: v for k, v in entries.items() if v is entry}))
+
+
+def _vllm_backend():
+    from benchmarks.engine_vs_vllm import measure_vllm, table, write_vllm
+    return measure_vllm, write_vllm, table
+
+
+BACKENDS = {"hf": lambda: (measure, write_results, table), "vllm": _vllm_backend}
 
 
 if __name__ == "__main__":

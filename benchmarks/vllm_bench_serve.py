@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import cpu_model, median_range  # noqa: E402
+from benchmarks.common import cpu_kind, median_range  # noqa: E402
 from benchmarks.vllm_env import bench_serve, embedded_server, vllm_python, vllm_version  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -43,15 +43,6 @@ def client_args(args) -> list[str]:
 def server_overrides(args) -> list[str]:
     return [f"model.name={args.model}", f"model.dtype={args.dtype}", f"engine.num_threads={args.threads}",
             f"engine.kv_cache_mb={args.kv_cache_mb}", "run_dir=/tmp/async_rl_vllm_bench_serve", *args.override]
-
-
-def cpu_kind() -> str:
-    """lscpu's model name and torch's CPU capability, plus the bf16/AMX flags that decide the kernels."""
-    import torch
-
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[-1].split("\n", 1)[0].split()
-    extras = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 def keep(r: dict) -> dict:
@@ -70,8 +61,8 @@ def measure(args) -> dict:
     rounds = []
     for r in range(args.rounds):
         load = os.getloadavg()[0]
-        with embedded_server(server_overrides(args)) as url:
-            res = keep(bench_serve(python, url, tokenizer, client_args(args)))
+        with embedded_server(server_overrides(args)) as server:
+            res = keep(bench_serve(python, server.url, tokenizer, client_args(args)))
         res["load_before"], res["load_after"] = load, os.getloadavg()[0]
         rounds.append(res)
         print(f"round {r + 1}: {res['completed']}/{args.num_prompts} completed, {res['failed']} failed, "

@@ -2,10 +2,12 @@
 benchmark, its server, and the embedded server they are compared with.
 
     python = vllm_python(args.vllm_python)               # flag > $ASYNC_RL_VLLM_PYTHON > .venv-vllm > /tmp/vllm-venv
-    with embedded_server(["model.name=smollm2-135m", "model.dtype=bfloat16"]) as url:
-        result = bench_serve(python, url, tokenizer_dir, ["--num-prompts", "64", ...])
-    with vllm_server(python, model_dir, dtype="bfloat16", threads=2) as url:
+    with embedded_server(["model.name=smollm2-135m", "model.dtype=bfloat16"]) as server:
+        result = bench_serve(python, server.url, tokenizer_dir, ["--num-prompts", "64", ...])
+    with vllm_server(python, model_dir, dtype="bfloat16", threads=2) as server:
         ...
+    with VllmOffline(python, model_dir, work, dtype="bfloat16", threads=2) as llm:
+        llm.run()                                        # {"seconds", "generated"}
 
 vLLM is never imported here: it lives in another virtual environment (its torch, its
 transformers), so every use is a subprocess of that environment's python.
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -112,16 +115,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
 def _serving(cmd: list[str], env: dict[str, str], port: int, what: str, log: Path | None,
-             timeout_s: float) -> Iterator[str]:
-    """Start a server process, yield its URL once /health answers, stop it (SIGINT) on the way out."""
+             timeout_s: float) -> Iterator[Server]:
+    """Start a server process, yield it once /health answers, stop it (SIGINT) on the way out."""
     sink = open(log or os.devnull, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, what, timeout_s)
-        yield url
+        yield Server(url, proc.pid)
     finally:
         _stop(proc)
         sink.close()
@@ -129,7 +138,7 @@ def _serving(cmd: list[str], env: dict[str, str], port: int, what: str, log: Pat
 
 def embedded_server(overrides: list[str], config: str = "configs/smollm2_arith.yaml",
                     log: Path | None = None, timeout_s: float = 600):
-    """`async-rl serve` in a subprocess of this python (the project as a user runs it); yields its URL."""
+    """`async-rl serve` in a subprocess of this python (the project as a user runs it); yields its `Server`."""
     port = free_port()
     cmd = [sys.executable, "-m", "launch.cli", "serve", "-c", config, f"engine.port={port}", *overrides]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -137,15 +146,65 @@ def embedded_server(overrides: list[str], config: str = "configs/smollm2_arith.y
 
 
 def vllm_server(python: Path, model_dir: str | Path, *, dtype: str, threads: int, max_model_len: int = 2048,
-                kv_cache_gb: float = 2.0, extra: list[str] | None = None, log: Path | None = None,
+                kv_cache_gb: int = 2, extra: list[str] | None = None, log: Path | None = None,
                 timeout_s: float = 900):
     """vLLM's OpenAI server on the CPU (compiled, the default mode: in eager bf16 its C++ rotary kernel gives
-    wrong tokens, /work/shared/VLLM.md §6.1), bound to `threads` cores; yields its URL."""
+    wrong tokens, /work/shared/VLLM.md §6.1), bound to `threads` cores; yields its `Server`."""
     port = free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--seed", "0", "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", str(model_dir), *(extra or [])]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gb)),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     env.pop("PYTHONPATH", None)
     return _serving(cmd, env, port, "vLLM's server", log, timeout_s)
+
+
+class VllmOffline:
+    """vLLM's `LLM.generate` on `work` in the vLLM environment (`vllm_offline_driver.py`), loaded once;
+    `round()` times one pass over every request. While no round runs the process waits on its stdin."""
+
+    def __init__(self, python: Path, model_dir: str | Path, work: list[tuple[list[int], int]], *, dtype: str,
+                 threads: int, max_model_len: int = 1024, kv_cache_gb: int = 2, log: Path | None = None):
+        self._work = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(work, self._work)
+        self._work.close()
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gb)),
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        env.pop("PYTHONPATH", None)
+        self._log = open(log or os.devnull, "w")
+        driver = Path(__file__).resolve().parent / "vllm_offline_driver.py"
+        self.proc = subprocess.Popen([str(python), str(driver), str(model_dir), dtype, str(max_model_len),
+                                      self._work.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env)
+        self._answer()  # loaded (and compiled)
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise VllmEnvError(f"vLLM's offline driver exited with {self.proc.wait()} (log: {self._log.name})")
+
+    def run(self, warm: int | None = None) -> dict:
+        """{"seconds", "generated"} of one pass (the first `warm` requests only when given)."""
+        self.proc.stdin.write(f"warm {warm}\n" if warm else "run\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        os.unlink(self._work.name)
+
+    def __enter__(self) -> "VllmOffline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
