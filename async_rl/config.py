@@ -70,9 +70,11 @@ class EngineConfig:
     # attention instead of gathered from the paged pool every layer and step (async_rl/engine/decode_slab.py);
     # the slab takes at most kv_cache_mb more memory, and a step over that reads the pool
     decode_slab: bool = True
-    # fp32 on a CPU: GEMMs of steps of <= 128 rows (decodes) and the slab's decode attention through kernels compiled
-    # at first use (async_rl/engine/cpu_kernels.py): auto = on AVX2 CPUs (measured faster there) where a C compiler
-    # builds them, torch's elsewhere | compiled (required: an error where they cannot build) | torch (always)
+    # kernels compiled at first use for a CPU engine's steps: fp32 on AVX2, GEMMs of <= 128 rows and the slab's decode
+    # attention (async_rl/engine/cpu_kernels.py); bf16 on AVX-512, norms with the residual add, rotary, SiLU x up and
+    # the slab's decode attention (async_rl/engine/bf16_kernels.py). auto = where measured faster (fp32 on AVX2
+    # without AVX-512, bf16 on AVX-512) and a C compiler builds them, torch's ops elsewhere | compiled (required: an
+    # error where they cannot build) | torch (always)
     cpu_kernels: Literal["auto", "compiled", "torch"] = "auto"
     num_threads: int = 0  # torch threads for the engine; 0 = half the cores in async mode, all in sync
     max_new_tokens_limit: int = 4096  # largest max_new_tokens a request may ask for

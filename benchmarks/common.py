@@ -43,9 +43,9 @@ def cpu_kind() -> str:
     """lscpu's model name and torch's CPU capability, with the bf16/AMX flags that decide the kernels."""
     import torch
 
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    flags = info.split("flags", 1)[-1].split("\n", 1)[0].split()
-    extras = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    from async_rl.utils.hardware import cpu_flags
+
+    extras = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in cpu_flags()]
     return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}" + (f" ({', '.join(extras)})" if extras else "")
 
 

@@ -13,6 +13,7 @@ and `decode_slab.py` are read with `git show` and run beside this checkout's sch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -98,6 +99,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps-per-round", type=int, default=4)
     ap.add_argument("--name", default="engine_ab")
+    ap.add_argument("--cpu-kernels", default="auto", help="engine.cpu_kernels of this checkout's engine")
+    ap.add_argument("--base-cpu-kernels", default="auto", help="engine.cpu_kernels of the base engine (torch: a base "
+                                                                "older than a kernel change runs torch's ops)")
     args = ap.parse_args()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     tmp = tempfile.TemporaryDirectory()
@@ -111,8 +115,10 @@ def main() -> None:
     if needed > args.kv_cache_mb * 2**20:
         sys.exit(f"error: --kv-cache-mb {args.kv_cache_mb:g} cannot hold {args.sequences} sequences of "
                  f"~{args.context} tokens ({needed / 2**20:.0f} MB): they would be preempted, not timed")
-    engines = {"this": decoding_engine(model, cfg, llm_engine.ModelRunner, args.sequences, args.context),
-               "base": decoding_engine(model, cfg, base_cls, args.sequences, args.context)}
+    engines = {"this": decoding_engine(model, dataclasses.replace(cfg, cpu_kernels=args.cpu_kernels),
+                                       llm_engine.ModelRunner, args.sequences, args.context),
+               "base": decoding_engine(model, dataclasses.replace(cfg, cpu_kernels=args.base_cpu_kernels), base_cls,
+                                       args.sequences, args.context)}
     ms: dict[str, list[float]] = {k: [] for k in engines}
     for r in range(args.rounds):
         for k in (("this", "base") if r % 2 == 0 else ("base", "this")):
@@ -131,7 +137,8 @@ def main() -> None:
     table = ("| sequences | context | KV MB | this checkout ms/step | base ms/step | base / this, per round "
              "(median, min-max) | slab pool steps this / base |\n|---|---|---|---|---|---|---|\n" + row)
     print(table)
-    write_results(args.name, f"{args.model} {args.dtype}, base {args.base}, {args.rounds} rounds of "
+    write_results(args.name, f"{args.model} {args.dtype}, base {args.base} (cpu_kernels {args.base_cpu_kernels}) "
+                  f"against this checkout (cpu_kernels {args.cpu_kernels}), {args.rounds} rounds of "
                   f"{args.steps_per_round} decode steps each engine, interleaved.\n\n{table}",
                   {"args": vars(args), "ms_this": ms["this"], "ms_base": ms["base"], "ratios": per_round, "ratio": ratios, "stats": stats})
 

@@ -19,27 +19,24 @@
   matmuls (which also need the K/V written by an index_put first); outputs within 1e-6 of them.
 
 Both run on torch's own OpenMP runtime (the library's `libgomp.so.1` resolves to the one torch loaded) with
-torch's thread count, one thread for small work (`PARALLEL_MIN_*`). They are built at first use with the machine's C compiler (`$CC`, else `cc`: about a
-second) into `$ASYNC_RL_KERNEL_DIR` (default ~/.cache/async_rl/kernels), keyed by a hash of the source and
-flags; without a compiler, AVX2 or FMA the engine keeps torch's kernels (`available()` says why). Which the
-engine uses is `CPU_KERNELS[engine.cpu_kernels]`.
+torch's thread count, one thread for small work (`PARALLEL_MIN_*`). They are built at first use with the machine's
+C compiler (async_rl/engine/kernel_build.py); without a compiler, AVX2 or FMA the engine keeps torch's kernels
+(`available()` says why). Which the engine uses is `CPU_KERNELS[engine.cpu_kernels]`: these for fp32, the bf16
+kernels of async_rl/engine/bf16_kernels.py (AVX-512) for bf16.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from async_rl.engine import bf16_kernels
+from async_rl.engine.kernel_build import load_library, require
 
 logger = logging.getLogger(__name__)
 
@@ -207,47 +204,16 @@ def _cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _kernel_dir() -> Path:
-    return Path(os.environ.get("ASYNC_RL_KERNEL_DIR") or Path.home() / ".cache" / "async_rl" / "kernels")
-
-
-def _build() -> Path:
-    """The compiled library, built once per source, flags and compiler (atomically: concurrent builders race
-    harmlessly). Raises RuntimeError naming what is missing."""
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found; set CC)")
-    key = hashlib.sha256("\0".join([SOURCE, cc, *FLAGS]).encode()).hexdigest()[:16]
-    out = _kernel_dir() / f"cpu_kernels_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, lib = Path(tmp) / "cpu_kernels.c", Path(tmp) / "lib.so"
-        src.write_text(SOURCE)
-        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}")
-        os.replace(lib, out)
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
-    if not _cpu_has_avx2():
-        return None, f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (RuntimeError, OSError) as exc:
-        return None, str(exc)
-    lib.sgemm_xwt.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.sgemm_xwt.restype = None
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.slab_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr] + [i32] * 5 \
-        + [ctypes.c_float, i32]
-    lib.slab_attention.restype = None
-    return lib, ""
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    signatures = {"sgemm_xwt": [ptr] * 4 + [i32] * 4,
+                  "slab_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr] + [i32] * 5
+                  + [ctypes.c_float, i32]}
+    missing = None if _cpu_has_avx2() else \
+        f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    return load_library(SOURCE, FLAGS, "cpu_kernels", signatures, missing)
 
 
 def available() -> tuple[bool, str]:
@@ -257,10 +223,7 @@ def available() -> tuple[bool, str]:
 
 
 def _lib() -> ctypes.CDLL:
-    lib, why = _load()
-    if lib is None:
-        raise RuntimeError(f"engine.cpu_kernels: the compiled kernels are not available: {why}")
-    return lib
+    return require(*_load(), "the compiled kernels")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,7 +245,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y
 
 
-def slab_attention_fits(width: int, head_dim: int, dtype: torch.dtype) -> bool:
+def slab_attention_fits(width: int, head_dim: int, group: int, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and width % 32 == 0 and head_dim % 8 == 0
 
 
@@ -300,7 +263,8 @@ def slab_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.
             raise ValueError(f"cpu_kernels.slab_attention: {name} must be fp32 rows of contiguous heads, got "
                              f"strides {t.stride()} {t.dtype}")
     if not (kt.is_contiguous() and vt.is_contiguous() and out.is_contiguous() and lens.dtype == torch.int32
-            and lens.is_contiguous() and slab_attention_fits(w, d, kt.dtype) and scratch.numel() >= b * heads * w):
+            and lens.is_contiguous() and slab_attention_fits(w, d, heads // kvh, kt.dtype)
+            and scratch.numel() >= b * heads * w):
         raise ValueError("cpu_kernels.slab_attention: kt, vt, out, lens (int32) contiguous, W % 32 == 0, "
                          f"D % 8 == 0 and scratch of {b * heads * w} floats expected")
     lib.slab_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
@@ -311,13 +275,24 @@ def slab_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kt: torch.
 
 @dataclass(frozen=True)
 class Kernels:
-    """What the engine runs through compiled code: GEMMs of steps of <= MAX_ROWS rows, slab decode attention."""
+    """What the engine runs through compiled code; a piece left None runs torch's ops."""
 
-    linear: Callable = linear
-    slab_attention: Callable = slab_attention
+    linear: Callable | None = None  # x @ W^T (+ b) for steps of <= MAX_ROWS rows
+    slab_attention: Callable | None = None  # one layer of decode attention over a slab tier, the step's K/V written in
+    attention_fits: Callable[[int, int, int, torch.dtype], bool] = lambda width, head_dim, group, dtype: False
+    add_rms_norm: Callable | None = None  # residual add + RMS norm
+    rotary: Callable | None = None  # q/k rotation in place
+    silu_mul: Callable | None = None  # silu(gate) * up
+    sample: Callable | None = None  # a token per row of plain sampling (async_rl/engine/sampler.py)
 
 
-COMPILED = Kernels()
+COMPILED = Kernels(linear=linear, slab_attention=slab_attention, attention_fits=slab_attention_fits)
+BF16 = Kernels(slab_attention=bf16_kernels.slab_attention, attention_fits=bf16_kernels.slab_attention_fits,
+               add_rms_norm=bf16_kernels.add_rms_norm, rotary=bf16_kernels.rotary, silu_mul=bf16_kernels.silu_mul,
+               sample=bf16_kernels.sample)
+# dtype -> (its compiled kernels, whether they can run here and why not)
+BY_DTYPE: dict[torch.dtype, tuple[Kernels, Callable[[], tuple[bool, str]]]] = {
+    torch.float32: (COMPILED, lambda: available()), torch.bfloat16: (BF16, lambda: bf16_kernels.available())}
 
 
 def _torch(device: torch.device, dtype: torch.dtype) -> Kernels | None:
@@ -325,23 +300,28 @@ def _torch(device: torch.device, dtype: torch.dtype) -> Kernels | None:
 
 
 def _compiled(device: torch.device, dtype: torch.dtype) -> Kernels | None:
-    if device.type != "cpu" or dtype != torch.float32:
-        raise ValueError(f"engine.cpu_kernels: 'compiled' runs fp32 on a CPU; this engine runs {dtype} on {device}")
-    ok, why = available()
+    if device.type != "cpu" or dtype not in BY_DTYPE:
+        raise ValueError(f"engine.cpu_kernels: 'compiled' runs fp32 or bf16 on a CPU; this engine runs {dtype} on "
+                         f"{device}")
+    kernels, check = BY_DTYPE[dtype]
+    ok, why = check()
     if not ok:
         raise ValueError(f"engine.cpu_kernels: 'compiled' cannot run here: {why}; use auto or torch")
-    return COMPILED
+    return kernels
 
 
 def _auto(device: torch.device, dtype: torch.dtype) -> Kernels | None:
-    """The compiled kernels where they were measured faster (fp32 on an AVX2 CPU without AVX-512), else torch's."""
-    if device.type != "cpu" or dtype != torch.float32 or torch.backends.cpu.get_cpu_capability() != "AVX2":
+    """The compiled kernels where they were measured faster: fp32 on an AVX2 CPU without AVX-512 (the GEMM and
+    attention of this module), bf16 on an AVX-512 CPU (async_rl/engine/bf16_kernels.py); else torch's."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if device.type != "cpu" or (dtype, capability) not in ((torch.float32, "AVX2"), (torch.bfloat16, "AVX512")):
         return None
-    ok, why = available()
+    kernels, check = BY_DTYPE[dtype]
+    ok, why = check()
     if not ok:
-        logger.info("engine: decode GEMMs and attention run torch's kernels (the compiled ones: %s)", why)
+        logger.info("engine: decode steps run torch's kernels (the compiled ones: %s)", why)
         return None
-    return COMPILED
+    return kernels
 
 
 # engine.cpu_kernels -> (device, dtype) -> the compiled kernels, or None for torch's

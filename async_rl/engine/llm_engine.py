@@ -79,7 +79,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.decode_slab, config.cpu_kernels)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_tokens_per_step)
-        self.sampler = Sampler(self.runner.device)
+        kernels = self.runner.kernels
+        self.sampler = Sampler(self.runner.device, kernel=None if kernels is None else kernels.sample)
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.max_context = model.config.max_position_embeddings
         self._requests: dict[str, Sequence] = {}  # unfinished requests by id

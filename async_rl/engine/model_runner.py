@@ -26,7 +26,10 @@ MKL's were faster (14.9 against 11.2 GB/s at one row): fp32 steps of fewer than 
 rows run `F.linear`, and so do fp32 weights under `PACKED_MIN_WEIGHT` (they stay in cache, and there
 oneDNN's per-call cost made a 64x64 GEMM 4x slower). In fp32 on an AVX2 CPU (`engine.cpu_kernels`), steps of
 up to 128 rows run a compiled GEMM instead, and the slab's decode attention a compiled kernel that also writes
-the step's K/V into the rows (async_rl/engine/cpu_kernels.py): both faster there than torch's.
+the step's K/V into the rows (async_rl/engine/cpu_kernels.py): both faster there than torch's. In bf16 on an
+AVX-512 CPU the step's element-wise work runs compiled instead (async_rl/engine/bf16_kernels.py): each residual
+add with the RMS norm after it, the q/k rotation with the K/V write into the pool, SiLU x up, and the slab's
+decode attention; the GEMMs stay oneDNN's.
 """
 
 from __future__ import annotations
@@ -221,7 +224,7 @@ class ModelRunner:
         # decode GEMMs and slab attention compiled for this CPU, or None: torch's (async_rl/engine/cpu_kernels.py)
         self.kernels = cpu_kernels.cpu_kernels(kernels, self.device, self.dtype)
         small = None if self.kernels is None else self.kernels.linear
-        self._scratch = torch.empty(0, dtype=self.dtype, device=self.device)  # the compiled attention's scores
+        self._scratch = torch.empty(0, device=self.device)  # the compiled attention's scores (fp32)
         self.qkv = [_Linear([m.self_attn.q_proj, m.self_attn.k_proj, m.self_attn.v_proj], pack, small) for m in layers]
         self.o_proj = [_Linear([m.self_attn.o_proj], pack, small) for m in layers]
         self.gate_up = [_Linear([m.mlp.gate_proj, m.mlp.up_proj], pack, small) for m in layers]
@@ -350,16 +353,26 @@ class ModelRunner:
         batch = self.prepare(chunks)
         inner = self.model.model
         x = F.embedding(batch.input_ids, inner.embed_tokens.weight)  # [N, hidden]
-        cos = self.cos[batch.positions][:, None, :]  # [N, 1, D]
-        sin = self.sin[batch.positions][:, None, :]
-        for li, layer in enumerate(inner.layers):
-            x.add_(self._attention(li, layer.self_attn, self._rms_norm(x, layer.input_layernorm), cos, sin, batch))
-            x.add_(self._mlp(li, layer.mlp, self._rms_norm(x, layer.post_attention_layernorm)))
+        fused = self.kernels is not None and self.kernels.add_rms_norm is not None
+        if fused:  # residual adds and norms in one kernel each; rotary at the positions, in place
+            h = self.kernels.add_rms_norm(x, None, inner.layers[0].input_layernorm.weight, self.eps)
+            norms = [layer.post_attention_layernorm for layer in inner.layers]
+            after_mlp = [layer.input_layernorm for layer in inner.layers[1:]] + [inner.norm]
+            for li, layer in enumerate(inner.layers):
+                h = self.kernels.add_rms_norm(x, self._attention(li, layer.self_attn, h, None, None, batch),
+                                              norms[li].weight, self.eps)
+                h = self.kernels.add_rms_norm(x, self._mlp(li, layer.mlp, h), after_mlp[li].weight, self.eps)
+        else:
+            cos = self.cos[batch.positions][:, None, :]  # [N, 1, D]
+            sin = self.sin[batch.positions][:, None, :]
+            for li, layer in enumerate(inner.layers):
+                x.add_(self._attention(li, layer.self_attn, self._rms_norm(x, layer.input_layernorm), cos, sin, batch))
+                x.add_(self._mlp(li, layer.mlp, self._rms_norm(x, layer.post_attention_layernorm)))
         if batch.slab is not None:
             self.slab.advance(batch.slab)
         if len(batch.logit_rows) == 0:
             return torch.empty(0, self.model.lm_head.weight.shape[0], device=self.device)
-        h = self._rms_norm(x[batch.logit_rows], inner.norm)
+        h = h[batch.logit_rows] if fused else self._rms_norm(x[batch.logit_rows], inner.norm)
         return self.lm_head(h)[0].float()
 
     def _rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -370,6 +383,10 @@ class ModelRunner:
         return norm.weight * xf.to(x.dtype)
 
     def _mlp(self, li: int, mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and self.kernels.silu_mul is not None:
+            gate_up = self.gate_up[li].whole(h)  # [N, 2 * intermediate]
+            if gate_up is not None:
+                return self.down[li](self.kernels.silu_mul(gate_up))[0]
         gate, up = self.gate_up[li](h)
         return self.down[li](F.silu(gate).mul_(up))[0]
 
@@ -378,30 +395,40 @@ class ModelRunner:
         """Rotary embedding; `sin` carries rotate_half's sign (`_build_rope`)."""
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
-    def _attention(self, li: int, attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   batch: StepBatch) -> torch.Tensor:
+    def _attention(self, li: int, attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, batch: StepBatch) -> torch.Tensor:
+        """cos, sin [N, 1, D] at the tokens' positions; None where the compiled rotary reads the tables itself."""
         n, heads, kvh, d = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv[li].whole(h)
-        if qkv is not None:  # q and k lie side by side: one rotation for both, half the element-wise ops
+        k_cache, v_cache = self.kv[li, 0], self.kv[li, 1]  # [blocks, block_size, kvH, D]
+        pooled = False
+        if qkv is not None and cos is None:  # q and k rotated in place together, k and v written into the pool
+            self.kernels.rotary(qkv, heads + kvh, d, self.cos, self.sin, batch.positions, kvh, batch.slots,
+                                k_cache, v_cache)
+            q, k = qkv[:, :heads * d].view(n, heads, d), qkv[:, heads * d:(heads + kvh) * d].view(n, kvh, d)
+            v, pooled = qkv[:, (heads + kvh) * d:].view(n, kvh, d), True
+        elif qkv is not None:  # q and k lie side by side: one rotation for both, half the element-wise ops
             qk = self._rotate(qkv[:, :(heads + kvh) * d].view(n, heads + kvh, d), cos, sin)
             q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, (heads + kvh) * d:].view(n, kvh, d)
         else:
+            if cos is None:  # projections run one by one (uneven biases): the tables at the positions after all
+                cos, sin = self.cos[batch.positions][:, None, :], self.sin[batch.positions][:, None, :]
             q, k, v = self.qkv[li](h)
             q = self._rotate(q.view(n, heads, d), cos, sin)
             k = self._rotate(k.view(n, kvh, d), cos, sin)
             v = v.view(n, kvh, d)
-        k_cache, v_cache = self.kv[li, 0], self.kv[li, 1]  # [blocks, block_size, kvH, D]
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, batch.slots, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, batch.slots, v)
+        if not pooled:
+            k_cache.view(-1, *k.shape[1:]).index_copy_(0, batch.slots, k)
+            v_cache.view(-1, *v.shape[1:]).index_copy_(0, batch.slots, v)
         out = q.new_empty(n, heads, d)  # [N, H, D]
         row0 = 0
         for step in batch.slab or ():
             b = len(step.decodes)
             rows = slice(row0, row0 + b)
-            if self.kernels is not None and cpu_kernels.slab_attention_fits(step.tier.width, d, q.dtype):
+            if self.kernels is not None and self.kernels.attention_fits(step.tier.width, d, self.group, q.dtype):
                 need = b * heads * step.tier.width  # writes the new K/V into the rows, attends over their lengths
                 if self._scratch.numel() < need:
-                    self._scratch = q.new_empty(need)
+                    self._scratch = q.new_empty(need, dtype=torch.float32)
                 self.kernels.slab_attention(q[rows], k[rows], v[rows], step.tier.kt[li, :b], step.tier.v[li, :b],
                                             step.lens, out[rows], self._scratch, self.scale)
             else:

@@ -21,7 +21,10 @@ nothing for the penalty, which is the caller's choice to make.
 A draw is an inverse-CDF lookup of one uniform number per row, so a row's draw depends
 only on its own number: a seeded request takes it from its own `torch.Generator` and
 samples the same tokens whatever else shares the batch. One number per token (not one per
-vocabulary entry) also keeps sampling cheap next to the forward pass.
+vocabulary entry) also keeps sampling cheap next to the forward pass. Where the engine has a compiled
+draw (`kernel`: async_rl/engine/bf16_kernels.py `sample`) a batch whose rows have no penalty, bias or
+truncation takes it: the same rule (the same uniform number per row, the inverse CDF over the vocabulary
+in order, the log-probs of the full softmax) in one pass instead of a handful of torch ops over [S, V].
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int | None = None):
+    def __init__(self, device: torch.device, seed: int | None = None, kernel=None):
         self.device = device
+        self.kernel = kernel  # (logits, inv_t, u) -> (tokens, logprobs, lse) for plain rows, or None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed if seed is not None else torch.initial_seed() % (1 << 62))
 
@@ -62,6 +66,8 @@ class Sampler:
                  states: Seq[SamplingState] | None = None) -> SampleResult:
         """logits: [S, V] float32, one row per sampling sequence; `states` are needed by penalised rows."""
         rows, vocab = logits.shape
+        if self.kernel is not None and logits.device.type == "cpu" and all(_plain(p, vocab) for p in params):
+            return self._compiled(logits, params, generators)
         greedy = [p.temperature == 0.0 for p in params]
         inv_t = [1.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)]
         scaled = logits
@@ -95,6 +101,25 @@ class Sampler:
                 if p.top_logprobs:
                     top[i] = list(zip(ids[i][:p.top_logprobs], vals[i][:p.top_logprobs]))
         return SampleResult(tokens.tolist(), chosen.tolist(), top)
+
+    def _compiled(self, logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> SampleResult:
+        inv_t = torch.tensor([0.0 if p.temperature == 0.0 else 1.0 / p.temperature for p in params])
+        drawn = [i for i, p in enumerate(params) if p.temperature != 0.0]
+        u = torch.zeros(len(params))
+        if drawn:
+            u[drawn] = self._uniforms([generators[i] for i in drawn])
+        tokens, logprobs, lse = self.kernel(logits, inv_t, u)
+        top: list[list[tuple[int, float]] | None] = [None] * len(params)
+        k = max(p.top_logprobs for p in params)
+        if k:
+            scale = torch.where(inv_t > 0, inv_t, torch.ones_like(inv_t))[:, None]
+            vals, ids = (logits * scale).topk(k, dim=-1)
+            vals, ids = (vals - lse[:, None]).tolist(), ids.tolist()
+            for i, p in enumerate(params):
+                if p.top_logprobs:
+                    top[i] = list(zip(ids[i][:p.top_logprobs], vals[i][:p.top_logprobs]))
+        return SampleResult(tokens.tolist(), logprobs.tolist(), top)
 
     def _penalise(self, logits: torch.Tensor, scaled: torch.Tensor, weights: torch.Tensor,
                   params: list[SamplingParams], states: Seq[SamplingState] | None,
@@ -165,3 +190,9 @@ class Sampler:
             drop |= sorted_probs < floor
         drop[:, 0] = False
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def _plain(p: SamplingParams, vocab: int) -> bool:
+    """Drawn from the full softmax at its temperature: no penalty, bias, min_new_tokens or truncation."""
+    return not p.penalised and not 0 < p.top_k < vocab and p.top_p >= 1.0 and not p.min_p
+

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from async_rl.config import EngineConfig, ModelConfig
-from async_rl.engine import cpu_kernels
+from async_rl.engine import bf16_kernels, cpu_kernels
 from async_rl.engine.llm_engine import LLMEngine
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.types import SamplingParams
@@ -62,15 +62,20 @@ def test_engine_picks_the_kernels_by_name_and_logprobs_match_a_fresh_forward(cho
     assert (ref - torch.tensor(out.output_logprobs)).abs().max() <= 1e-4
 
 
-def test_auto_uses_the_kernel_only_on_fp32_avx2_cpus():
+def test_auto_uses_the_kernels_on_fp32_avx2_and_bf16_avx512_cpus():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert cpu_kernels.cpu_kernels("auto", cpu, torch.bfloat16) is None
+    capability = torch.backends.cpu.get_cpu_capability()
+    bf16_ok = bf16_kernels.available()[0]
+    assert (cpu_kernels.cpu_kernels("auto", cpu, torch.bfloat16) is cpu_kernels.BF16) == (capability == "AVX512"
+                                                                                           and bf16_ok)
+    assert cpu_kernels.cpu_kernels("auto", cpu, torch.float16) is None
     assert cpu_kernels.cpu_kernels("auto", cuda, torch.float32) is None
     assert cpu_kernels.cpu_kernels("torch", cpu, torch.float32) is None
-    on_avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
-    assert (cpu_kernels.cpu_kernels("auto", cpu, torch.float32) is cpu_kernels.COMPILED) == (on_avx2 and ok)
-    with pytest.raises(ValueError, match="engine.cpu_kernels: 'compiled' runs fp32 on a CPU"):
-        cpu_kernels.cpu_kernels("compiled", cpu, torch.bfloat16)
+    assert cpu_kernels.cpu_kernels("torch", cpu, torch.bfloat16) is None
+    assert (cpu_kernels.cpu_kernels("auto", cpu, torch.float32) is cpu_kernels.COMPILED) == (capability == "AVX2"
+                                                                                             and ok)
+    with pytest.raises(ValueError, match="engine.cpu_kernels: 'compiled' runs fp32 or bf16 on a CPU"):
+        cpu_kernels.cpu_kernels("compiled", cpu, torch.float16)
     with pytest.raises(ValueError, match="engine.cpu_kernels: unknown 'fast'; registered: auto, compiled, torch"):
         cpu_kernels.cpu_kernels("fast", cpu, torch.float32)
 
@@ -79,17 +84,23 @@ def test_without_a_compiler_compiled_is_refused_naming_why_and_auto_falls_back(t
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("ASYNC_RL_KERNEL_DIR", str(tmp_path / "kernels"))  # nothing cached there
     cpu_kernels._load.cache_clear()
+    bf16_kernels._load.cache_clear()
     try:
         if not cpu_kernels._cpu_has_avx2():
             pytest.skip("the CPU lacks AVX2: the compiler is never asked")
         assert cpu_kernels.available() == (False, f"no C compiler ({str(tmp_path / 'no-such-cc')!r} not found; set CC)")
         with pytest.raises(ValueError, match="'compiled' cannot run here: no C compiler"):
             cpu_kernels.cpu_kernels("compiled", torch.device("cpu"), torch.float32)
-        assert cpu_kernels.cpu_kernels("auto", torch.device("cpu"), torch.float32) is None
+        for dtype in (torch.float32, torch.bfloat16):
+            assert cpu_kernels.cpu_kernels("auto", torch.device("cpu"), dtype) is None
         with pytest.raises(RuntimeError, match="the compiled kernels are not available: no C compiler"):
             cpu_kernels.linear(torch.randn(2, 8), torch.randn(3, 8))
+        if bf16_kernels._cpu_has_avx512():
+            with pytest.raises(ValueError, match="'compiled' cannot run here: no C compiler"):
+                cpu_kernels.cpu_kernels("compiled", torch.device("cpu"), torch.bfloat16)
     finally:
         cpu_kernels._load.cache_clear()
+        bf16_kernels._load.cache_clear()
 
 
 @needs_kernel
