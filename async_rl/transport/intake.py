@@ -65,10 +65,10 @@ class Intake:
             theirs = hello_protocol(decode(payload))
         except WireFormatError:
             return False  # unpack says what is wrong with it
-        if theirs is None or theirs == PROTOCOL_VERSION:
-            return False
+        if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs == PROTOCOL_VERSION:
+            return False  # not a version number at all: unpack says what is wrong with it
         why = protocol_mismatch(PROTOCOL_VERSION, theirs, "trainer")
-        self._count("queue/protocol_refused")
+        self._count("queue/malformed")  # a HELLO this trainer cannot read, answered REFUSED
         if identity not in self._protocol_logged:
             self._protocol_logged.add(identity)
             logger.error("refused producer %r: %s", identity[:40], why)

@@ -120,8 +120,7 @@ class TrajectoryQueueServer(Intake):
         self._counts = dict.fromkeys(("queue/received", "queue/groups", "queue/consumed", "queue/producers",
                                       "queue/credits_out", "queue/duplicates", "queue/malformed", "queue/overrun",
                                       "queue/unknown_peer", "queue/lost_producers", "queue/send_failed",
-                                      "queue/sessions", "queue/refused", "queue/protocol_refused",
-                                      "queue/wrong_key"), 0)
+                                      "queue/sessions", "queue/refused", "queue/wrong_key"), 0)
         self._trainer_state = (0, 0)  # (policy_version, trained batch slots): told to every producer that joins
         self._consumed_prompts = PromptSet()  # stream positions the trainer consumed (told to producers that join)
         self.run_id = ""  # the run this trainer belongs to (told to producers: their outboxes are per run)

@@ -26,7 +26,8 @@ import msgpack
 import numpy as np
 
 from async_rl.transport.codec import MAGIC, decode, encode
-from async_rl.transport.messages import TO_TRAINER, BulkAck, Bye, Group, Heartbeat, Hello, pack, unpack
+from async_rl.transport.messages import (
+    HELLO, PROTOCOL_VERSION, TO_TRAINER, BulkAck, Bye, Group, Heartbeat, Hello, hello_protocol, pack, unpack)
 from async_rl.types import Trajectory, WireFormatError
 
 
@@ -53,8 +54,18 @@ def outcome(frames: list[bytes]) -> str:
     try:
         msg = unpack(frames[0], frames[1], TO_TRAINER)
     except WireFormatError:
+        if frames[0] == HELLO and _other_version(frames[1]):
+            return "refused"  # a HELLO of another protocol version: counted malformed, answered REFUSED
         return "malformed"
     return "hello" if isinstance(msg, Hello) else "bye" if isinstance(msg, Bye) else "unknown_peer"
+
+
+def _other_version(payload: bytes) -> bool:
+    try:
+        theirs = hello_protocol(decode(payload))
+    except WireFormatError:
+        return False
+    return isinstance(theirs, int) and not isinstance(theirs, bool) and theirs != PROTOCOL_VERSION
 
 
 def _flip(rng: random.Random, data: bytes) -> bytes:
@@ -139,7 +150,8 @@ def _one_frame(rng: random.Random) -> list[bytes]:
 
 
 def queue_frames(n: int, seed: int) -> list[tuple[list[bytes], str]]:
-    """n (frames, outcome) pairs; outcome is "malformed", "unknown_peer" or "bye" (an unknown peer's BYE)."""
+    """n (frames, outcome) pairs; outcome is "malformed", "refused" (a HELLO of another protocol version),
+    "unknown_peer" or "bye" (an unknown peer's BYE)."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:

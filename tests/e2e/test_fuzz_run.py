@@ -10,7 +10,8 @@ While the debug run trains, this test sends (from its own process)
 It checks: the run exits 0 with all its steps, each trained on data (a full batch less the few
 over-stale trajectories an async run drops), nothing restarted, `async-rl audit` finds nothing lost
 or trained twice; each frame is counted once in the trainer's queue stats, as `queue/malformed` or
-(well-formed, but its sender never said HELLO) `queue/unknown_peer`, exactly as many as were sent
+(well-formed, but its sender never said HELLO) `queue/unknown_peer`, exactly as many as were sent (a HELLO
+of another protocol version counts as malformed and is answered REFUSED)
 of each: ZeroMQ drops none (the trainer's ROUTER has no receive limit and a DEALER's send blocks at
 its limit, so nothing is lost on the way; each socket's last message is a heartbeat whose answer
 shows all before it were handled); the trainer logs a line about them every 10s, not one per
@@ -66,7 +67,8 @@ def fuzz_queue(addr: str, frames: list[tuple[list[bytes], str]], report: dict, h
     trainer has handled all."""
     def one_socket(i: int) -> None:
         mine = [f for f, _ in frames[i::N_SOCKETS]] + [pack(Heartbeat())]  # its answer: all before it handled
-        expect = sum(w == "unknown_peer" for _, w in frames[i::N_SOCKETS]) + 1  # answered HB(registered=False)
+        # answered: HB(registered=False) to a message of an unknown peer, REFUSED to a HELLO of another version
+        expect = sum(w in ("unknown_peer", "refused") for _, w in frames[i::N_SOCKETS]) + 1
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, b"fuzz-%d" % i)
         sock.setsockopt(zmq.LINGER, 0)
@@ -187,8 +189,8 @@ def test_fuzzed_run_completes_unaffected(tmp_path: Path):
     # every frame counted once, under its reason, in the stats of the last step (logged after the fuzz ended)
     sent, last = f["sent"], rows[-1]
     assert all(answers == expect for answers, expect in f["report"].values()) and len(f["report"]) == N_SOCKETS
-    assert sent["malformed"] + sent["unknown_peer"] + sent["bye"] == N_FRAMES
-    assert last["queue/malformed"] == sent["malformed"]
+    assert sent["malformed"] + sent["refused"] + sent["unknown_peer"] + sent["bye"] == N_FRAMES
+    assert last["queue/malformed"] == sent["malformed"] + sent["refused"]
     assert last["queue/unknown_peer"] == sent["unknown_peer"] + sent["bye"] + N_SOCKETS  # + the closing heartbeats
     assert last["queue/sessions"] == 1 and last["queue/overrun"] == 0 and last["queue/duplicates"] == 0
     log = (tmp_path / "logs" / "trainer.log").read_text()

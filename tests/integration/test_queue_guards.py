@@ -154,6 +154,9 @@ def test_a_protocol_mismatch_is_one_error_on_both_sides_naming_both_versions(loo
         raw = _raw(server, "old", protocol=1)
         refused = _recv(raw, b"REFUSED")
         assert refused["protocol"] == PROTOCOL_VERSION and "version 1" in refused["reason"]
+        for odd in ("2", np.array([1, 2]), True):  # not a version number: malformed, as before (an array once
+            raw.send_multipart([b"HELLO", encode({"producer_id": "old", "protocol": odd})])  # killed the thread)
+        wait_until(lambda: server.stats()["queue/malformed"] == 4, 60, "the odd HELLOs counted")
         raw.close(0)
         # a client of another version: its connect fails at once, naming both
         monkeypatch.setattr(client_module, "PROTOCOL_VERSION", 1)
@@ -166,7 +169,7 @@ def test_a_protocol_mismatch_is_one_error_on_both_sides_naming_both_versions(loo
         trainer_lines = [r.getMessage() for r in caplog.records if r.name == "async_rl.transport.queue"]
         assert any(f"this trainer speaks version {PROTOCOL_VERSION}, the producer version 1" in m
                    for m in trainer_lines), trainer_lines
-        assert server.stats()["queue/protocol_refused"] == 2 and server.stats()["queue/sessions"] == 0
+        assert server.stats()["queue/malformed"] == 5 and server.stats()["queue/sessions"] == 0
 
 
 def test_a_frame_over_the_limit_cuts_the_link_and_a_client_will_not_send_one(loop, caplog):
