@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import async_rl  # noqa: F401  (before torch: OpenMP threads wait passively, async_rl/__init__.py)
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]

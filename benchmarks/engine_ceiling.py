@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import async_rl  # noqa: F401  (before torch: OpenMP threads wait passively, async_rl/__init__.py)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import async_rl  # noqa: F401  (before torch: OpenMP threads wait passively, async_rl/__init__.py)
 import torch
 from tqdm import tqdm
 
