@@ -36,6 +36,7 @@ import torch
 from async_rl.config import Config
 from async_rl.trainer.checkpoint import save_checkpoint
 from async_rl.utils.metrics import read_jsonl
+from async_rl.utils.weights import as_source
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class BestKeeper:
         kept = read_best(self.run_dir) if cfg.trainer.resume else None  # a resumed run keeps its best so far
         self.best = float(kept["score"]) if kept else float("-inf")
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        # copies reused: a fresh 540 MB copy of SmolLM2 faults in every page (seconds on a loaded machine)
+        self._free: list[dict[str, torch.Tensor]] = []
         self.seconds = 0.0  # the trainer's time spent here (copies and writes): timing/keep_best_s
 
     def after_publish(self, trainer: Any) -> None:
@@ -72,11 +75,28 @@ class BestKeeper:
         t0 = time.perf_counter()
         v = trainer.policy_version
         if self.every > 0 and v > 0 and v % self.every == 0 and v < self.total_steps:
-            self.pending[v] = trainer.state_dict()
+            self.pending[v] = self._copy(trainer)
             while len(self.pending) > MAX_PENDING:
-                del self.pending[min(self.pending)]
+                self._free.append(self.pending.pop(min(self.pending)))
         self._resolve(trainer)
         self.seconds += time.perf_counter() - t0
+
+    def _copy(self, trainer: Any) -> dict[str, torch.Tensor]:
+        """The trainer's weights now, on the CPU, into a reused copy where one is free (named as its
+        state_dict; tied tensors one tensor)."""
+        reuse = self._free.pop() if self._free else {}
+        source = as_source(trainer.weights())  # views of the parameters (gathered, on a sharded trainer)
+        try:
+            out = {}
+            for name in source.names:
+                t, buf = source.get(name), reuse.get(name)
+                fits = buf is not None and buf.shape == t.shape and buf.dtype == t.dtype
+                out[name] = buf.copy_(t) if fits else t.detach().to("cpu", copy=True)
+            for alias, kept in source.aliases.items():
+                out[alias] = out[kept]
+        finally:
+            source.close()
+        return out
 
     def finish(self, trainer: Any) -> None:
         """After the final evaluation: the versions still waiting, then the final one (the trainer's weights)."""
@@ -87,7 +107,8 @@ class BestKeeper:
         after = [r for r in read_jsonl(self.run_dir / "eval.jsonl")
                  if r.get("when") == "after" and r.get("policy_version") == trainer.policy_version]
         if after:
-            self._offer(trainer.policy_version, after[-1], trainer.state_dict(), trainer)
+            self._offer(trainer.policy_version, after[-1], self._copy(trainer), trainer)
+        self._free.clear()
 
     def _resolve(self, trainer: Any) -> None:
         if not self.pending:
@@ -96,9 +117,11 @@ class BestKeeper:
         newest = max(rows, default=-1)
         for v in sorted(self.pending):
             if v in rows:
-                self._offer(v, rows[v], self.pending.pop(v), trainer)
-            elif v < newest:  # its evaluation was skipped (the one before was still running)
-                del self.pending[v]
+                self._offer(v, rows[v], self.pending[v], trainer)
+            elif v > newest:
+                continue
+            # evaluated, or skipped (a later version has a row: the evaluation before it was still running)
+            self._free.append(self.pending.pop(v))
 
     def _offer(self, version: int, row: dict[str, Any], weights: dict[str, torch.Tensor], trainer: Any) -> None:
         score, split = chosen_on(row)

@@ -19,7 +19,7 @@ class Trainer:
     policy_version: int = 0
     hf_export = None
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> dict[str, torch.Tensor]:
         return {"w": torch.full((3,), float(self.policy_version))}
 
 
@@ -61,11 +61,16 @@ def test_the_final_version_competes_and_nothing_waits_longer_than_it_must(tmp_pa
         trainer.policy_version = v
         keeper.after_publish(trainer)
     assert sorted(keeper.pending) == [4, 6] and len(keeper.pending) == MAX_PENDING  # evaluations that lag are bounded
+    copies = [t.data_ptr() for d in keeper.pending.values() for t in d.values()]
     _row(tmp_path, 6, 0.3, 0.3)
     trainer.policy_version = 7
     keeper.after_publish(trainer)
     assert not keeper.pending  # v4's evaluation was skipped (v6 reported): its copy is dropped
     assert _kept(tmp_path) == 6.0
+    trainer.policy_version = 8
+    keeper.after_publish(trainer)  # into a copy the keeper had made before (no fresh allocation)
+    assert [t.data_ptr() for t in keeper.pending[8].values()][0] in copies
+    assert keeper.pending[8]["w"].tolist() == [8.0] * 3
     trainer.policy_version = 10
     _row(tmp_path, 10, 0.9, 0.8, when="after")
     keeper.finish(trainer)
