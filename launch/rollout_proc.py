@@ -93,16 +93,18 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
                                   peer_timeout_s=cfg.transport.peer_timeout_s,
                                   curve_keys_dir=cfg.transport.curve_keys_dir)
     weights = build_receiver(cfg, queue)  # before connecting: zmq weight buckets are taken off the queue
-    # connected (and heartbeating) before the servers start: a real engine loads and compiles for minutes, and
-    # the trainer, which waits rollout.connect_timeout_s for a first producer, then hears this side meanwhile
     try:
-        await queue.connect(cfg.rollout.connect_timeout_s)
         if not external:
+            # connected (and heartbeating) before our servers start: a real engine loads and compiles for minutes,
+            # and the trainer, which waits rollout.connect_timeout_s for a first producer, hears this side meanwhile
+            await queue.connect(cfg.rollout.connect_timeout_s)
             addrs = await _start_servers(cfg, slots, procs)
         # our own servers are restarted when their process dies, and caught up to the current weights
         keep = (lambda pool: ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg, slots)).start()) \
             if procs else None
         pool, keeper = await _ready_pool(cfg, addrs, external, tokenizer, keep)
+        if external:  # servers already running: checked first, so a wrong address is the error a user sees
+            await queue.connect(cfg.rollout.connect_timeout_s)
     except BaseException:
         await queue.close()
         raise
