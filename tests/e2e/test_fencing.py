@@ -46,7 +46,9 @@ def start(command: str, *args: str) -> subprocess.Popen:
 def test_server_killed_during_a_weight_update_is_fenced_and_the_run_completes(tmp_path):
     steps = 6
     run = start("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", "log.progress=false", *SMALL[:1],
-                "rollout.num_servers=2", "rollout.health_interval_s=1", "weight_sync.deadline_s=5",
+                # a dead server fails its update at once; the deadline is for stuck ones (a loaded machine's live
+                # server took over 5 s to load a version and was fenced too, leaving none)
+                "rollout.num_servers=2", "rollout.health_interval_s=1", "weight_sync.deadline_s=60",
                 "supervise.max_restarts=0")  # fencing alone: the dead server is not restarted (test_supervision does that)
     try:
         servers = wait_for(lambda: (tmp_path / "servers.json").is_file() and json.loads(
