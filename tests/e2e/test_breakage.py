@@ -44,39 +44,32 @@ def _audit(run_dir: Path) -> tuple[int, str]:
     return res.returncode, res.stdout + res.stderr
 
 
-def test_a_reward_that_is_nan_for_some_samples_finishes_its_steps_and_the_audit_counts_them(tmp_path):
+def test_bad_rewards_and_refused_requests_end_their_groups_and_the_run_finishes_counting_them(tmp_path):
+    """One run, two broken kinds of sample (agents cycled per prompt, `task.agents`): a reward function that
+    returns NaN for some (`nan_reward.py`: the run used to hang, its producer's credits held), and prompts
+    longer than the model's context for others (`refused_request.py`: the server answers 400, as SGLang and
+    vLLM also do inside an HTTP 200 stream; it used to stop the rollout side). Each is one refused group,
+    said once in the log; the run finishes its steps; the audit fails, counting the NaN groups as lost
+    with their reason and the refused requests' prompts as never trained."""
     steps = 4
     res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", *QUICK,
-              "agent.modules=[tests.e2e.nan_reward]", "rollout.agent=nan_reward", timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == list(range(steps))
-    refusals = [line for line in (tmp_path / "logs" / "rollout.log").read_text().splitlines()
-                if "refused a group, not sent to the trainer" in line]
-    assert refusals and all("reward function ArithTask.reward" in line and "sample train-" in line
-                            for line in refusals), refusals[:3]
-    code, out = _audit(tmp_path)
-    refused = int(out.split("refused=")[1].split()[0])
-    assert code == 1 and refused > 0 and refused % 8 == 0, out  # whole groups
-    assert f"lost={refused} " in out and "refused " + str(refused) + ": a non-finite score" in out, out
-    assert "refused" in res.stdout and "a non-finite score from agent loop 'nan_reward'" in res.stdout  # says so
-
-
-def test_requests_a_server_refuses_end_their_groups_and_the_run_goes_on(tmp_path):
-    """A prompt longer than the model's context, for some samples: the server answers 400 (SGLang and vLLM also
-    send such a refusal as an error chunk inside an HTTP 200 stream). It used to stop the rollout side; now each
-    is one refused group, said in the log, and the audit finds the prompts that were never trained."""
-    steps = 3
-    res = cli("run", "--config", DEBUG, f"run_dir={tmp_path}", f"total_steps={steps}", *QUICK,
-              "agent.modules=[tests.e2e.refused_request]", "rollout.agent=too_long", timeout=300)
+              "agent.modules=[tests.e2e.nan_reward,tests.e2e.refused_request]",
+              "task.agents=[nan_reward,too_long]", timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert not (tmp_path / "restarts.jsonl").exists(), res.stderr[-3000:]
     assert [r["step"] for r in _rows(tmp_path / "metrics.jsonl")] == list(range(steps))
-    refusals = [line for line in (tmp_path / "logs" / "rollout.log").read_text().splitlines()
-                if "a generation server refused a request of the group" in line]
-    assert refusals and all("request refused" in line for line in refusals), refusals[:3]
+    log = (tmp_path / "logs" / "rollout.log").read_text().splitlines()
+    nan = [line for line in log if "refused a group, not sent to the trainer: a non-finite score" in line]
+    assert nan and all("reward function ArithTask.reward" in line and "sample train-" in line for line in nan)
+    too_long = [line for line in log if "a generation server refused a request of the group" in line]
+    assert too_long and all("request refused" in line for line in too_long), too_long[:3]
     code, out = _audit(tmp_path)
+    refused = int(out.split("refused=")[1].split()[0])
     lost_prompts = int(out.split("lost_prompts=")[1].split()[0])
-    assert code == 1 and lost_prompts > 0, out
+    assert code == 1 and refused > 0 and refused % 8 == 0, out  # whole NaN groups (the refused requests had none)
+    assert f"lost={refused} " in out and "refused " + str(refused) + ": a non-finite score" in out, out
+    assert lost_prompts >= len(too_long), out  # the refused requests' prompts, never trained
+    assert "a non-finite score from agent loop 'nan_reward'" in res.stdout  # the run says so
 
 
 def test_with_the_outbox_resend_broken_a_trainer_restart_loses_what_the_audit_then_finds(tmp_path):
