@@ -16,7 +16,8 @@ backend runs by default (compiled with inductor; bf16 in eager mode gives wrong 
 /work/shared/VLLM.md §6.1), bound to the same cores (`VLLM_CPU_OMP_THREADS_BIND`).
 
 Results accumulate in benchmarks/results/engine_vs_vllm.json (one entry per CPU kind, model and
-dtype); engine_vs_vllm.md is rebuilt from it with each entry's command, commit and load.
+dtype); engine_vs_vllm.md is rebuilt from it with each entry's command, commit and load. The servers' and
+vLLM's logs go to $TMPDIR/async_rl_engine_vs_vllm/.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +41,13 @@ from async_rl.models import PRINTABLE, load_model, load_tokenizer, model_config,
 from benchmarks.common import cpu_kind, median_range
 from benchmarks.vllm_bench_serve import git_commit
 from benchmarks.vllm_env import VllmOffline, bench_serve, embedded_server, vllm_python, vllm_server, vllm_version
+
+
+def log_dir() -> Path:
+    """Where the servers' and vLLM's logs go (not the results folder): a fixed folder under the temp dir."""
+    path = Path(tempfile.gettempdir()) / "async_rl_engine_vs_vllm"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -80,7 +89,7 @@ def offline(args, python, work, useful: int) -> dict:
     cfg = EngineConfig(kv_cache_mb=args.kv_cache_mb, max_running=args.max_running,
                        max_tokens_per_step=args.max_tokens_per_step, enable_prefix_caching=True)
     with VllmOffline(python, model_dir(mc), work, dtype=args.dtype, threads=args.threads,
-                     log=Path(args.results) / "vllm_offline.log") as vllm:
+                     log=log_dir() / "vllm_offline.log") as vllm:
         vllm.run(warm=8)
         run_engine(model, cfg, work[:8], "warm-up")
 
@@ -111,7 +120,7 @@ def served(args, python) -> dict:
     tokenizer = model_dir(ModelConfig(name=args.model))
     args = argparse.Namespace(**{**vars(args), "num_prompts": args.served_prompts, "override": []})
     client = client_args(args)
-    logs = Path(args.results)
+    logs = log_dir()
     with embedded_server(server_overrides(args), log=logs / "embedded_server.log") as emb, \
             vllm_server(python, tokenizer, dtype=args.dtype, threads=args.threads,
                         log=logs / "vllm_server.log") as vll:
