@@ -251,7 +251,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # newest checkpoints of this run kept on disk (0 = all)
     resume: bool = False  # start from the newest checkpoint under run_dir/checkpoints (`--resume RUN_DIR`)
     # keep the version with the best held-out accuracy the run saw as run_dir/best (chosen on task.val_size's
-    # validation set; launch/best_checkpoint.py): a CPU copy of each version due for evaluation waits for its score
+    # validation set; async_rl/trainer/best_checkpoint.py): a CPU copy of each version due for evaluation waits for its score
     keep_best: bool = True
     compute_dtype: Dtype = "auto"  # autocast dtype; master weights and optimizer stay fp32
     num_threads: int = 0  # torch threads for the trainer; 0 = half the cores in async mode, all in sync
@@ -286,7 +286,7 @@ class WeightSyncConfig:
 
 @dataclass
 class RayConfig:
-    """launcher=ray: the cluster to join and the size of each process's bundle (launch/ray_launcher.py)."""
+    """launcher=ray: the cluster to join and the size of each process's bundle (async_rl/launch/ray_launcher.py)."""
 
     address: str = ""  # existing cluster (e.g. "auto" or "ray://HOST:10001"); empty = start a local one
     num_cpus_per_server: float = 1.0  # CPU bundle of one generation server
@@ -317,7 +317,7 @@ class CoresConfig:
 
 @dataclass
 class SuperviseConfig:
-    """How `async-rl run` (launcher=local) restarts what crashes and how it stops on SIGTERM (launch/local.py)."""
+    """How `async-rl run` (launcher=local) restarts what crashes and how it stops on SIGTERM (async_rl/launch/local.py)."""
 
     # restarts per component (the trainer, the rollout process, each generation server) after it dies with
     # a non-zero exit code or a signal; the trainer restarts with trainer.resume=true. 0 = a crash ends the run

@@ -41,7 +41,7 @@ COLUMNS = [("reward", "train/reward_mean", "{:.3f}"),
 
 
 def run(config: str, steps: int, seed: int, overrides: list[str], run_dir: Path) -> tuple[list[dict], float]:
-    cmd = [sys.executable, "-m", "launch.cli", "run", "--config", f"configs/{config}.yaml", f"run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "async_rl.launch.cli", "run", "--config", f"configs/{config}.yaml", f"run_dir={run_dir}",
            f"seed={seed}", f"total_steps={steps}", "log.progress=false", *overrides]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

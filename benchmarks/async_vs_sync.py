@@ -47,7 +47,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def run_one(config: str, steps: int, setup: str, mode: str, eta: int, run_dir: Path, warmup: int,
             extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "launch.cli", "run", "--config", config, f"mode={mode}", f"max_staleness={eta}",
+    cmd = [sys.executable, "-m", "async_rl.launch.cli", "run", "--config", config, f"mode={mode}", f"max_staleness={eta}",
            f"total_steps={steps}", f"run_dir={run_dir}", "log.progress=false", *SETUPS[setup], *extra]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -34,7 +34,7 @@ DEFAULT = ["async eta=0", "async eta=2", "async eta=4", "sync"]
 
 def run_one(label: str, seed: int, steps: int, workdir: Path) -> dict:
     run_dir = workdir / f"{label.replace(' ', '_').replace('=', '')}_s{seed}"
-    cmd = [sys.executable, "-m", "launch.cli", "run", "--config", "configs/debug_cpu.yaml", f"run_dir={run_dir}",
+    cmd = [sys.executable, "-m", "async_rl.launch.cli", "run", "--config", "configs/debug_cpu.yaml", f"run_dir={run_dir}",
            f"seed={seed}", f"total_steps={steps}", "log.progress=false", *SETTINGS[label]]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -51,7 +51,7 @@ def rows(path: Path) -> list[dict]:
 
 def one_run(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", CONFIG, f"run_dir={run_dir}",
+    p = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "run", "--config", CONFIG, f"run_dir={run_dir}",
                         "log.progress=false", *overrides], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, **env})
     wall = time.monotonic() - t0
@@ -70,7 +70,7 @@ def one_run(run_dir: Path, overrides: list[str], env: dict[str, str]) -> dict:
     dtype = next((line for line in p.stdout.splitlines() if line.startswith("engine dtype:")), "")
     curve = [round(e["eval/accuracy"], 4) for e in periodic]
     best = _best(run_dir)
-    audit = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(run_dir)], cwd=ROOT, capture_output=True,
+    audit = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "audit", str(run_dir)], cwd=ROOT, capture_output=True,
                            text=True)
     loaded = [r for r in rows(run_dir / "rollout_metrics.jsonl") if r.get("sync/servers_loaded")]
     drop_bulk(run_dir)  # ~4.6 GB of checkpoints and weight versions a run: a seed sweep filled the disk

@@ -66,7 +66,7 @@ def sh(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, s
 
 
 def cli(*args: str, timeout: float = 600) -> tuple[int, str, float]:
-    return sh([sys.executable, "-m", "launch.cli", *args], timeout)
+    return sh([sys.executable, "-m", "async_rl.launch.cli", *args], timeout)
 
 
 def rows(path: Path) -> list[dict]:

@@ -60,7 +60,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def run_one(args: argparse.Namespace, label: str, seed: int, run_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "launch.cli", "run", "--config", args.config, f"seed={seed}",
+    cmd = [sys.executable, "-m", "async_rl.launch.cli", "run", "--config", args.config, f"seed={seed}",
            f"total_steps={args.steps}", f"run_dir={run_dir}", f"rollout.eval_every={args.eval_every}",
            f"task.eval_size={args.eval_size}", "log.progress=false", *SETTINGS[label], *args.overrides]
     commit = git_commit()  # the code the run imports is the code at its start

@@ -45,7 +45,7 @@ from async_rl.trainer.backends import RankInfo, get_backend  # noqa: E402
 from async_rl.types import Trajectory  # noqa: E402
 from async_rl.weight_sync.disk import DiskWeightPublisher  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
-from launch.common import free_port  # noqa: E402
+from async_rl.launch.common import free_port  # noqa: E402
 
 CASES = {  # name -> (backend, world_size, tensor_parallel)
     "single": ("single", 1, 1),

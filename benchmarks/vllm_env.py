@@ -140,7 +140,7 @@ def embedded_server(overrides: list[str], config: str = "configs/smollm2_arith.y
                     log: Path | None = None, timeout_s: float = 600):
     """`async-rl serve` in a subprocess of this python (the project as a user runs it); yields its `Server`."""
     port = free_port()
-    cmd = [sys.executable, "-m", "launch.cli", "serve", "-c", config, f"engine.port={port}", *overrides]
+    cmd = [sys.executable, "-m", "async_rl.launch.cli", "serve", "-c", config, f"engine.port={port}", *overrides]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return _serving(cmd, env, port, "async-rl serve", log, timeout_s)
 

@@ -54,7 +54,7 @@ CONFIG = "configs/smollm2_arith.yaml"
 def ours(run_dir: Path, overrides: list[str]) -> dict:
     """One `async-rl run` of the demo; its curve as [(training wall s, held-out accuracy)]."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "launch.cli", "run", "--config", CONFIG, f"run_dir={run_dir}",
+    p = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "run", "--config", CONFIG, f"run_dir={run_dir}",
                         "log.progress=false", *overrides], cwd=ROOT, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"async_rl run failed ({p.returncode}): {p.stderr[-2000:]}")

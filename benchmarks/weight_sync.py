@@ -67,7 +67,7 @@ from async_rl.weight_sync.disk import DiskWeightPublisher
 from async_rl.weight_sync.dist_publisher import DistWeightPublisher
 from async_rl.weight_sync.dist_receiver import DistWeightReceiver
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TRANSPORTS = ("disk", "zmq", "dist")
@@ -149,7 +149,7 @@ def trainer(transport: str, model: str, versions: list[int], bucket_mb: float, t
         in_q.get(timeout=300)  # the rollout side is ready for the next version
         mem = PeakMemory().start()
         out_q.put(("start", v, time.time()))
-        msg = pub.publish(ppo.weights(), v)  # as launch/trainer_proc.publish_weights does
+        msg = pub.publish(ppo.weights(), v)  # as async_rl/trainer/versions.py publish_weights does
         if msg is not None:
             (queue.broadcast if queue is not None else out_q.put)(msg)
         stats = dict(getattr(pub, "stats", {}))

@@ -4,7 +4,7 @@
 
 `target` is module-scoped: `embedded` serves a tiny model for real on a free port (its weights
 saved as a weight-version directory, as a run publishes them); `sglang` starts a real SGLang
-server (`launch.sglang_server.start_sglang`) on ASYNC_RL_SGLANG_MODEL and is skipped, with the
+server (`async_rl.launch.sglang_server.start_sglang`) on ASYNC_RL_SGLANG_MODEL and is skipped, with the
 reason, where that cannot run. `Target.version` tracks the weight version tests have loaded.
 """
 
@@ -25,7 +25,7 @@ from async_rl.engine.sglang_api import cumulative_chunk
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.types import SamplingParams
 from async_rl.weight_sync.versions import version_dir
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 from served_weights import save_weights_dir
 
 TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "Hello, world!"]
@@ -75,8 +75,8 @@ def target(request, tmp_path_factory):
         pytest.skip(reason)
     from transformers import AutoTokenizer
 
-    from launch.procs import stop_all
-    from launch.sglang_server import start_sglang
+    from async_rl.launch.procs import stop_all
+    from async_rl.launch.sglang_server import start_sglang
 
     path = os.environ["ASYNC_RL_SGLANG_MODEL"]
     cfg = load_config(None, [f"model.name={path}", f"run_dir={tmp}", "engine.port=0"])

@@ -3,7 +3,7 @@
     client = GENERATION_CLIENTS[cfg.engine.backend](url, api_key=key, pause_mode=mode)
 
 The embedded server speaks SGLang's native API, so both share `HttpGenerationClient`; vLLM has
-its own routes (`VllmGenerationClient`). A backend registers here and in `launch.servers`.
+its own routes (`VllmGenerationClient`). A backend registers here and in `async_rl.launch.servers`.
 """
 
 from __future__ import annotations

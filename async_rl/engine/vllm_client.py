@@ -6,7 +6,7 @@
     await client.continue_generation()
 
 It speaks vLLM's token-in/token-out route and its RL routes (vLLM >= 0.32, server started with
-`--enable-scale-out` and VLLM_SERVER_DEV_MODE=1 by `launch.vllm_server`); `vllm_api` holds the
+`--enable-scale-out` and VLLM_SERVER_DEV_MODE=1 by `async_rl.launch.vllm_server`); `vllm_api` holds the
 shapes. Everything else (abort-and-resubmit, piece joining, version labels from update times,
 retries) is `HttpGenerationClient`'s. The pause modes map onto vLLM's
 (entrypoints/rl/online/api_router.py, v1/engine/core.py `pause_scheduler`):

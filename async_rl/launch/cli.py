@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     text = "CURVE key pairs (trainer and rollout side) for transport.curve_keys_dir, and an engine.api_key token"
     p = sub.add_parser("keys", help=text, description=text)
     p.add_argument("--out", "-o", required=True, help="a new directory for the keys (never overwritten)")
-    from launch.sim_cmd import add_parser
+    from async_rl.launch.sim_cmd import add_parser
 
     add_parser(sub)
     return parser
@@ -112,8 +112,8 @@ def _placed_alone(cfg: Config, command: str) -> tuple[Config, dict[str, str], di
     """One side started alone takes this machine's GPUs for itself (async_rl/placement.py): its process's
     config, environment and keyword arguments, or one error line before it starts."""
     from async_rl.placement import ROLLOUT, TRAINER, for_process
-    from launch.common import place_here
-    from launch.procs import with_overrides
+    from async_rl.launch.common import place_here
+    from async_rl.launch.procs import with_overrides
 
     if command == "train":
         plan = place_here(cfg, (TRAINER,))
@@ -137,8 +137,8 @@ def _check_exposure(cfg: Config, command: str) -> None:
 
 
 def _dispatch(command: str, cfg: Config) -> int:
-    from launch import procs
-    from launch.common import check_agents, pin_dtypes
+    from async_rl.launch import procs
+    from async_rl.launch.common import check_agents, pin_dtypes
 
     _check_exposure(cfg, command)
     if command != "run" or cfg.launcher == "local":  # this process starts the children: warm their fork server
@@ -150,7 +150,7 @@ def _dispatch(command: str, cfg: Config) -> int:
         print(line, flush=True)
 
     if command == "run":
-        from launch.launchers import LAUNCHERS
+        from async_rl.launch.launchers import LAUNCHERS
 
         for line in LAUNCHERS[cfg.launcher](cfg):
             print(line, flush=True)
@@ -159,8 +159,9 @@ def _dispatch(command: str, cfg: Config) -> int:
     _check_standalone(cfg, command)
     child_cfg, env, kwargs = _placed_alone(cfg, command)
     save_config(cfg, Path(cfg.run_dir))
-    target = {"train": "launch.trainer_proc:trainer_main", "rollout": "launch.rollout_proc:rollout_main",
-              "serve": "launch.serve:serve_main"}[command]
+    target = {"train": "async_rl.launch.trainer_proc:trainer_main",
+              "rollout": "async_rl.launch.rollout_proc:rollout_main",
+              "serve": "async_rl.launch.serve:serve_main"}[command]
     proc = procs.spawn(command if command != "serve" else "server", target, child_cfg, env=env, **kwargs)
     try:
         proc.join()
@@ -170,7 +171,7 @@ def _dispatch(command: str, cfg: Config) -> int:
     if proc.exitcode != 0:
         raise RuntimeError(procs.child_error(cfg, proc.name, proc))
     if command == "rollout":
-        from launch.local import summary
+        from async_rl.launch.local import summary
 
         for line in summary(cfg):
             print(line, flush=True)
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "audit":
             return _audit(args.run_dirs)
         if args.command == "sim":
-            from launch.sim_cmd import sim_main
+            from async_rl.launch.sim_cmd import sim_main
 
             return sim_main(args)
         cfg = _load(args)
@@ -197,17 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: all processes stopped", file=sys.stderr)
         return 130
     except Exception as exc:  # one line for the user; details are in the run's logs
-        from launch.procs import one_line
+        from async_rl.launch.procs import one_line
 
         logger.debug("fatal", exc_info=True)
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 
-def entry() -> None:
-    """The `async-rl` command: `main`, then out without the interpreter's teardown (async_rl/utils/exits.py)."""
-    code = main()
-    procs = sys.modules.get("launch.procs")  # imported by the commands that start processes
+def entry(argv: list[str] | None = None) -> None:
+    """The `async-rl` command (`argv`: its arguments, default the process's): `main`, then out without the
+    interpreter's teardown (async_rl/utils/exits.py). The scripts under launch/ call it with their own."""
+    code = main(argv)
+    procs = sys.modules.get("async_rl.launch.procs")  # imported by the commands that start processes
     if procs:  # its children have ended (or never started): the fork server has nothing left to do
         procs.stop_fork_server()
     exit_now(code)

@@ -4,7 +4,7 @@
     wait_healthy(cfg, proc, url, starting, timeout_s=900)              # returns once GET /health is 200
 
 The program does not run as our child directly: a guard process (`guard_main`, started like
-every child of a run by `launch.procs.spawn`) starts it in a session of its own and waits for
+every child of a run by `async_rl.launch.procs.spawn`) starts it in a session of its own and waits for
 it. So the server is one `mp.Process` to everyone who holds it (stop_all, the server keeper,
 the Ray host read its `name`, `exitcode`, `is_alive()`), from the moment it is spawned, not
 once it is healthy. The guard
@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from async_rl.config import Config
-from launch.procs import spawn, stop_all
+from async_rl.launch.procs import spawn, stop_all
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -124,14 +124,14 @@ def start_guarded(cfg: Config, name: str, command: list[str], extra_env: dict[st
     """Spawn the guard of server process `name` (`env`: its placement's variables), tracked by `starting`."""
     log_path = Path(cfg.run_dir) / "logs" / f"{name}.out"
     logger.info("starting %s: %s (output: %s)", what, " ".join(command), log_path)
-    return starting.track(spawn(name, "launch.external_server:guard_main", cfg, env=env, command=command,
+    return starting.track(spawn(name, "async_rl.launch.external_server:guard_main", cfg, env=env, command=command,
                                 extra_env=extra_env, log_path=str(log_path)))
 
 
 def wait_healthy(cfg: Config, proc: Any, url: str, starting: Starting, *, what: str, timeout_s: float,
                  headers: dict[str, str] | None = None) -> None:
     """Return once `url`/health answers 200; otherwise stop `proc` and raise one error naming `what`."""
-    from launch.procs import child_cause
+    from async_rl.launch.procs import child_cause
 
     deadline = time.monotonic() + timeout_s
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from async_rl.config import Config
-from launch.local import run_local
-from launch.ray_launcher import run_ray
+from async_rl.launch.local import run_local
+from async_rl.launch.ray_launcher import run_ray
 
 LAUNCHERS: dict[str, Callable[[Config], list[str]]] = {"local": run_local, "ray": run_ray}

@@ -2,7 +2,7 @@
 
 The launcher supervises the trainer and the rollout process; the rollout process owns its
 generation servers (`rollout.num_servers`) and restarts one whose process dies, on the same
-port (launch/server_keeper.py). Before anything starts, async_rl.placement decides the GPU
+port (async_rl/launch/server_keeper.py). Before anything starts, async_rl.placement decides the GPU
 pools (`child_launches`): the trainer process gets its pool's GPUs (its ranks are its own
 children, rank r on cuda:r), the rollout process none (CUDA_VISIBLE_DEVICES="" where the
 machine has GPUs) and the slots of the servers it starts. Supervision (`supervise.*`):
@@ -15,13 +15,13 @@ machine has GPUs) and the slots of the servers it starts. Supervision (`supervis
   will train again. Each restart is logged with its cause and appended to
   `run_dir/restarts.jsonl`; the summary counts them. Once a component's budget is spent, the
   next crash stops everything and the run fails with one line saying why (as with 0 restarts).
-- A child that dies before its first start in this launch got through (`launch.common.mark_up`:
+- A child that dies before its first start in this launch got through (`async_rl.launch.common.mark_up`:
   the trainer's model built and queue bound, the rollout side's servers ready and joined) is
   not restarted: it failed on its config or the machine, and would fail the same way again.
 - A child that exits 0 is done. A rollout process that crashes after the trainer finished is
   not restarted (nothing would consume its data).
 - SIGTERM to the launcher drains: no more restarts; the trainer gets SIGTERM, finishes its
-  current step, checkpoints and tells the rollout side to stop (launch/supervision.py `Drain`);
+  current step, checkpoints and tells the rollout side to stop (async_rl/trainer/drain.py `Drain`);
   after `supervise.drain_timeout_s` (or a second SIGTERM) whatever still runs is stopped. The
   launcher then prints where the newest checkpoint is and exits 143 (128 + SIGTERM, as a
   terminated job: a scheduler sees it did not finish, and `trainer.resume=true` continues it).
@@ -44,15 +44,16 @@ from async_rl.trainer.checkpoint import latest_checkpoint
 from async_rl.utils.ledger import LEDGERS, audit
 from async_rl.utils.metrics import read_jsonl
 from async_rl.trainer.backends import get_backend
-from launch.best_checkpoint import BEST_DIR, read_best
-from launch.common import place_here, up_file, with_free_port
-from launch.procs import child_cause, child_error, spawn, stop_all, with_overrides
-from launch.supervision import RESTARTS_FILE, RestartBudget, restart_lines
+from async_rl.trainer.best_checkpoint import BEST_DIR, read_best
+from async_rl.launch.common import place_here, up_file, with_free_port
+from async_rl.launch.procs import child_cause, child_error, spawn, stop_all, with_overrides
+from async_rl.launch.supervision import RESTARTS_FILE, RestartBudget, restart_lines
 
 logger = logging.getLogger(__name__)
 
 # the launcher's children, in start order; a restarted trainer resumes from its newest checkpoint
-TARGETS = {"trainer": "launch.trainer_proc:trainer_main", "rollout": "launch.rollout_proc:rollout_main"}
+TARGETS = {"trainer": "async_rl.launch.trainer_proc:trainer_main",
+           "rollout": "async_rl.launch.rollout_proc:rollout_main"}
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 

@@ -39,7 +39,8 @@ from async_rl.utils.pids import pid_alive
 
 logger = logging.getLogger(__name__)
 _CTX = mp.get_context("forkserver")
-PRELOAD = ["launch.trainer_proc", "launch.rollout_proc", "launch.serve", "launch.trainer_ranks",
+PRELOAD = ["async_rl.launch.trainer_proc", "async_rl.launch.rollout_proc", "async_rl.launch.serve",
+           "async_rl.launch.trainer_ranks",
            "transformers.modeling_utils", "transformers.models.llama.modeling_llama"]  # what building a model imports
 _CTX.set_forkserver_preload(PRELOAD)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -229,11 +230,11 @@ def server_name(index: int) -> str:
 def start_server(cfg: Config, index: int = 0, env: dict[str, str] | None = None, timeout_s: float = 600.0,
                  starting: Any = None) -> tuple[mp.Process, str]:
     """Start embedded generation server `index` as a child (with `env`: its GPU); return it and its URL once it
-    serves. `starting` (`launch.external_server.Starting`) tracks it from its spawn and can cut the wait short."""
+    serves. `starting` (`async_rl.launch.external_server.Starting`) tracks it from its spawn and can cut the wait short."""
     name = server_name(index)
     ready = Path(cfg.run_dir) / f"{name}_address"
     ready.unlink(missing_ok=True)
-    proc = spawn(name, "launch.serve:serve_main", cfg, env=env, ready_file=str(ready))
+    proc = spawn(name, "async_rl.launch.serve:serve_main", cfg, env=env, ready_file=str(ready))
     pause = time.sleep
     if starting is not None:
         starting.track(proc)

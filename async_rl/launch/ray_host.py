@@ -2,13 +2,13 @@
 
     slots = plan(cfg, cluster_gpus)   # [Slot(name="server", role="server", bundle={"CPU": 1.0, "GPU": 1.0}), ...]
     host = ray.remote(ProcessHost).options(...).remote("trainer", cfg.run_dir)
-    host.start.remote("launch.trainer_proc:trainer_main", to_yaml(cfg), {}, "trainer")
+    host.start.remote("async_rl.launch.trainer_proc:trainer_main", to_yaml(cfg), {}, "trainer")
 
 A side that runs on CUDA gets one whole GPU per bundle (async_rl.placement.ray_gpus), and the
 process in it the GPU Ray assigned (`ray_slot`: CUDA_VISIBLE_DEVICES its physical id, device
 cuda:0); a process in a bundle without GPUs gets CUDA_VISIBLE_DEVICES="", since Ray 2.60 no
 longer hides the node's GPUs from it. `ProcessHost` starts its process with
-`launch.procs.spawn` on its own node, so logs, the one-line `<name>.error` files and the
+`async_rl.launch.procs.spawn` on its own node, so logs, the one-line `<name>.error` files and the
 orderly SIGTERM stop are those of `launcher=local`;
 if the actor itself is killed, the child notices its parent is gone and stops. Configs
 travel as YAML text, entry points as `module:function` names. Nothing here imports Ray:
@@ -23,8 +23,8 @@ from typing import Any
 from async_rl.config import ConfigError, config_from_yaml_text
 from async_rl.placement import ROLLOUT, for_process, ray_gpus, ray_slot
 
-from launch.common import free_port
-from launch.procs import child_error, server_name, spawn, stop_all
+from async_rl.launch.common import free_port
+from async_rl.launch.procs import child_error, server_name, spawn, stop_all
 
 # The rollout controller only does I/O: a memory bundle keeps it off the CPUs the engines
 # and the trainer use, so the default bundles fit a 2-core machine.
@@ -128,8 +128,8 @@ class ProcessHost:
     def start_server(self, cfg_yaml: str, index: int) -> str:
         """Start generation server `index` with the launcher registered for `engine.backend`, on the
         GPU Ray assigned this bundle; its URL."""
-        from launch.external_server import Starting
-        from launch.servers import SERVER_LAUNCHERS
+        from async_rl.launch.external_server import Starting
+        from async_rl.launch.servers import SERVER_LAUNCHERS
 
         cfg = config_from_yaml_text(cfg_yaml)
         slot = ray_slot(cfg, ROLLOUT, self._gpu_ids())

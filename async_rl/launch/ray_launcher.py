@@ -5,7 +5,7 @@
 
 The placement group has one bundle per generation server (`ray.num_cpus_per_server`, and a
 whole GPU where the engine runs on CUDA), one per trainer rank (`ray.num_*_per_trainer`) and
-one for the rollout controller (no GPU: it sees none). In each bundle a `ProcessHost` actor (launch/ray_host.py) runs the
+one for the rollout controller (no GPU: it sees none). In each bundle a `ProcessHost` actor (async_rl/launch/ray_host.py) runs the
 existing entry point as its own child process, so a process behaves exactly as under
 `launcher=local`: its log is `run_dir/logs/<name>.log` and a failure leaves a one-line
 `<name>.error`. The driver polls the hosts; the first failure stops everything and becomes
@@ -30,9 +30,9 @@ from typing import Any
 
 from async_rl.config import Config, ConfigError, save_config, to_yaml
 from async_rl.placement import TRAINER, gpus_here
-from launch.local import RunFailed, summary
-from launch.procs import named_error, one_line, with_overrides
-from launch.ray_host import ProcessHost, Slot, cannot_place, plan, plain_resources, total
+from async_rl.launch.local import RunFailed, summary
+from async_rl.launch.procs import named_error, one_line, with_overrides
+from async_rl.launch.ray_host import ProcessHost, Slot, cannot_place, plan, plain_resources, total
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class RayRun:
             self.ray.get(self.hosts[name].start.remote(entry, to_yaml(trainer_cfg), kwargs, TRAINER))
         urls = list(self._get_all(servers).values()) if servers else list(cfg.rollout.server_addrs)
         rollout_cfg = with_overrides(cfg, transport={"addr": addr}, rollout={"server_addrs": urls})
-        self.ray.get(self.hosts["rollout"].start.remote("launch.rollout_proc:rollout_main", to_yaml(rollout_cfg),
+        self.ray.get(self.hosts["rollout"].start.remote("async_rl.launch.rollout_proc:rollout_main", to_yaml(rollout_cfg),
                                                         {"servers": []}))  # its servers run in their own bundles
         logger.info("trainer on %s, generation servers %s", addr, urls)
 
@@ -184,13 +184,13 @@ class RayRun:
         """One entry per rank; rank 0 hosts the ranks' rendezvous store on its node."""
         world = self.cfg.trainer.world_size
         if world == 1:
-            return [("launch.trainer_proc:trainer_main", {})]
+            return [("async_rl.launch.trainer_proc:trainer_main", {})]
         rank0 = self.trainers[0]
         master_addr = self._host("127.0.0.1", rank0)
         master_port = self.ray.get(self.hosts[rank0].free_port.remote())
         # each rank runs on the GPU Ray assigned its bundle (ProcessHost.start: its slot, cuda:0 in the process)
-        return [("launch.trainer_proc:trainer_rank_main", {"rank": r, "world_size": world, "master_addr": master_addr,
-                                                           "master_port": master_port})
+        return [("async_rl.launch.trainer_proc:trainer_rank_main",
+                 {"rank": r, "world_size": world, "master_addr": master_addr, "master_port": master_port})
                 for r in range(world)]
 
     def _get_all(self, refs: dict[str, Any]) -> dict[str, Any]:

@@ -38,10 +38,10 @@ from async_rl.utils.ledger import Ledger
 from async_rl.utils.metrics import MetricsLogger
 from async_rl.utils.prompts import prompt_of
 from async_rl.weight_sync.receivers import build_receiver
-from launch.external_server import Starting
-from launch.common import effective_threads, mark_up, pin_to_pool, place_here
-from launch.procs import run_async, stop_all, with_overrides
-from launch.server_keeper import ServerKeeper, write_server_listing
+from async_rl.launch.external_server import Starting
+from async_rl.launch.common import effective_threads, mark_up, pin_to_pool, place_here
+from async_rl.launch.procs import run_async, stop_all, with_overrides
+from async_rl.launch.server_keeper import ServerKeeper, write_server_listing
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _clients(cfg: Config, addrs: list[str], external: bool) -> list[HttpGenerati
         raise ValueError(f"rollout.server_addrs: {exc}" if external else str(exc)) from None
 
 
-async def _ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: Any,
+async def ready_pool(cfg: Config, addrs: list[str], external: bool, tokenizer: Any,
                       watch: Callable[[ServerPool], Any] | None = None) -> tuple[ServerPool, Any]:
     """The servers as a pool, once each answers and runs the configured model (one clear error otherwise).
     `watch(pool)` starts, before the first wait, what watches the servers meanwhile (the keeper: a server
@@ -102,7 +102,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
         # our own servers are restarted when their process dies, and caught up to the current weights
         keep = (lambda pool: ServerKeeper(cfg, procs, pool, weights, partial(restart_server, cfg, slots)).start()) \
             if procs else None
-        pool, keeper = await _ready_pool(cfg, addrs, external, tokenizer, keep)
+        pool, keeper = await ready_pool(cfg, addrs, external, tokenizer, keep)
         if external:  # servers already running: checked first, so a wrong address is the error a user sees
             await queue.connect(cfg.rollout.connect_timeout_s)
     except BaseException:
@@ -122,7 +122,7 @@ async def _run(cfg: Config, addrs: list[str], external: bool, procs: list[Any], 
             _record_eval(cfg, "before", 0, await evaluation.run(validation=False))  # v0 is no candidate
         outbox = Outbox(Path(cfg.run_dir) / "outbox", str(queue.trainer_state.get("run_id", "")))
         queue.on_acked = outbox.ack
-        pending = _resendable(outbox, ledger, joined_at)
+        pending = resendable(outbox, ledger, joined_at)
         controller = RolloutController(cfg, pool, _DurableSink(queue, outbox), queue.controls(), tokenizer, task,
                                        metrics, weights=weights, ledger=ledger)
         queue.on_session = controller.trainer_rejoined
@@ -162,7 +162,7 @@ async def _start_servers(cfg: Config, slots: list[GpuSlot], procs: list[Any]) ->
     return urls
 
 
-def _resendable(outbox: Outbox, ledger: Ledger, trainer_version: int) -> list[list]:
+def resendable(outbox: Outbox, ledger: Ledger, trainer_version: int) -> list[list]:
     """The groups this side produced before a restart that the trainer never committed, to send
     again. A group sampled (in part) by weights newer than the trainer's came from a future its
     resume threw away: discarded (ledgered; its prompt is generated again), never sent."""
@@ -203,7 +203,7 @@ def start_servers(cfg: Config, slots: list[GpuSlot], starting: Starting | None =
     """Start `rollout.num_servers` servers of `engine.backend` at once, server i in `slots[i]`;
     (processes, urls) once all serve. `starting` tracks each process from its spawn; on any failure or
     interruption (Ctrl-C, SIGTERM) every one of them is stopped before this raises."""
-    from launch.servers import SERVER_LAUNCHERS
+    from async_rl.launch.servers import SERVER_LAUNCHERS
 
     n = cfg.rollout.num_servers
     launch = SERVER_LAUNCHERS[cfg.engine.backend]
@@ -224,7 +224,7 @@ def start_servers(cfg: Config, slots: list[GpuSlot], starting: Starting | None =
 
 def restart_server(cfg: Config, slots: list[GpuSlot], index: int, port: int) -> tuple[Any, str]:
     """Start server `index` again on `port` (its old one, so its URL stays) in its slot; (process, url) once it serves."""
-    from launch.servers import SERVER_LAUNCHERS
+    from async_rl.launch.servers import SERVER_LAUNCHERS
 
     own = server_config(cfg, index, cfg.rollout.num_servers, slots[index])
     return SERVER_LAUNCHERS[cfg.engine.backend](with_overrides(own, engine={"port": port}), index, slots[index].env(),

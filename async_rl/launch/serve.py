@@ -39,7 +39,7 @@ from async_rl.models import eos_token_ids, load_model, load_tokenizer
 from async_rl.placement import engine_share, kv_cache_bytes
 from async_rl.utils.exposure import check_server
 from async_rl.utils.hardware import resolve_device
-from launch.common import cap_gpu_memory, setup_cores
+from async_rl.launch.common import cap_gpu_memory, setup_cores
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     It listens at once, not when uvicorn starts serving seconds later (after the model loads):
     with SO_REUSEADDR (kept so a restarted server gets its old port back out of TIME_WAIT) a
     socket that is only bound does not hold its port against another SO_REUSEADDR bind, such
-    as ZeroMQ's for a queue address picked by `launch.common.free_port`, and this server's
+    as ZeroMQ's for a queue address picked by `async_rl.launch.common.free_port`, and this server's
     listen would then fail with EADDRINUSE. Connections that arrive early wait in the backlog.
 
     Its protocol is named (IPPROTO_TCP) and TCP_NODELAY is set on it, which the connections it

@@ -36,8 +36,8 @@ from urllib.parse import urlsplit
 from async_rl.config import Config
 from async_rl.protocols import WeightReceiver
 from async_rl.rollout.server_pool import Server, ServerPool
-from launch.procs import child_cause, one_line, server_name
-from launch.supervision import RestartBudget
+from async_rl.launch.procs import child_cause, one_line, server_name
+from async_rl.launch.supervision import RestartBudget
 
 logger = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
     proc, url = SERVER_LAUNCHERS[cfg.engine.backend](cfg, 0, slot.env(), starting)
 
 `embedded` starts this project's engine (`async-rl serve`) as a child process; `sglang`
-starts `python -m sglang.launch_server` (`launch.sglang_server`), `vllm` vLLM's OpenAI server in
-its own environment (`launch.vllm_server`). Each runs with `env` added to its environment: the
+starts `python -m sglang.launch_server` (`async_rl.launch.sglang_server`), `vllm` vLLM's OpenAI server in
+its own environment (`async_rl.launch.vllm_server`). Each runs with `env` added to its environment: the
 CUDA_VISIBLE_DEVICES of the GPUs async_rl.placement gave it (`cfg` already says its device and
-memory share). `starting` (`launch.external_server.Starting`) tracks the process from its spawn,
+memory share). `starting` (`async_rl.launch.external_server.Starting`) tracks the process from its spawn,
 so a start that is abandoned (Ctrl-C, SIGTERM) leaves nothing running. Backends register here;
 the rollout side and the Ray launcher pick from this dict and never test backend names themselves.
 """
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from async_rl.config import Config
-from launch.external_server import Starting
-from launch.procs import start_server
-from launch.sglang_server import start_sglang
-from launch.vllm_server import start_vllm
+from async_rl.launch.external_server import Starting
+from async_rl.launch.procs import start_server
+from async_rl.launch.sglang_server import start_sglang
+from async_rl.launch.vllm_server import start_vllm
 
 ServerLauncher = Callable[[Config, int, dict[str, str], Starting], tuple[Any, str]]
 

@@ -9,7 +9,7 @@ Face checkpoint directory or hub id), labels its weights version 0 (`--weight-ve
 so per-token versions are integers from the start) and logs to `run_dir/logs/server<index>.out`;
 it runs under `engine.python` where SGLang has an environment of its own (its torch and
 transformers pins differ from the trainer's), else under this interpreter. It is started under
-a guard (`launch.external_server`): tracked from its spawn, stopped with its starter. What the run configures reaches SGLang's flags:
+a guard (`async_rl.launch.external_server`): tracked from its spawn, stopped with its starter. What the run configures reaches SGLang's flags:
 `engine.incremental_streaming_output` (--incremental-streaming-output),
 `engine.deterministic_inference` (--enable-deterministic-inference: without it SGLang ignores
 `sampling_seed`), the GPU memory share placement gives a server (`engine.gpu_memory_fraction`:
@@ -32,8 +32,8 @@ from typing import Any
 from async_rl.config import Config, resolve_secret
 from async_rl.utils.exposure import check_server
 from async_rl.utils.ports import free_port
-from launch.external_server import Starting, start_guarded, wait_healthy
-from launch.procs import server_name
+from async_rl.launch.external_server import Starting, start_guarded, wait_healthy
+from async_rl.launch.procs import server_name
 
 BUILT_IN_MODELS = ("tiny", "smollm2-135m")  # built in-process by async_rl.models: SGLang cannot load them
 

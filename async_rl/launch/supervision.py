@@ -1,24 +1,21 @@
-"""Restart budgets, the restart record, and the trainer's drain flag: what supervision shares.
+"""Restart budgets and the restart record: what supervision shares.
 
     budget = RestartBudget(cfg)                  # supervise.max_restarts per component
     if budget.allow("trainer"):
         delay = budget.record("trainer", "killed by SIGKILL")   # logged, appended to run_dir/restarts.jsonl
-    drain = Drain.install()                      # in the trainer: SIGTERM sets a flag instead of interrupting
-    if drain.requested: ...                      # checked between steps; drain.check() while waiting for a batch
 
-Components are the trainer, the rollout process (both restarted by the launcher, launch/local.py)
+Components are the trainer, the rollout process (both restarted by the launcher, async_rl/launch/local.py)
 and each generation server, `server0`, `server1`, ... (restarted by the rollout process that owns
-it, launch/server_keeper.py). The launcher and the rollout process append to the same
+it, async_rl/launch/server_keeper.py). The launcher and the rollout process append to the same
 `restarts.jsonl`, one JSON line per restart, and a budget counts the lines already there, so a
-restarted rollout process does not give its servers a fresh budget.
+restarted rollout process does not give its servers a fresh budget. The trainer's SIGTERM flag,
+which the launcher's drain relies on, is async_rl/trainer/drain.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import signal
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -89,45 +86,3 @@ def restart_lines(run_dir: str | Path) -> list[str]:
     listed = ", ".join(f"{name} {n}" + (f" ({forced[name]} following another's restart)" if forced[name] else "")
                        for name, n in sorted(per.items()))
     return [f"restarts: {listed} (causes in {restarts_path(run_dir)})"]
-
-
-class DrainRequested(Exception):
-    """SIGTERM arrived while the trainer waited for a batch (raised by `Drain.check`)."""
-
-
-class Drain:
-    """A SIGTERM flag for the trainer process: the training loop finishes its step, checkpoints and
-    stops when it is set, instead of being interrupted mid-step (see launch/local.py, drain).
-
-        drain = Drain.install()
-        while step < total_steps and not drain.requested:
-            groups = wait_batch(on_tick=drain.check)   # DrainRequested: stop waiting, nothing to finish
-            ...                                        # one train step
-        checkpoint(step)
-    """
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    @classmethod
-    def install(cls) -> "Drain":
-        """Handle SIGTERM in this process (the main thread) by setting the flag."""
-        drain = cls()
-        signal.signal(signal.SIGTERM, drain._on_signal)
-        return drain
-
-    def _on_signal(self, signum, frame) -> None:
-        if not self._event.is_set():
-            logger.warning("SIGTERM: finishing the current step, then checkpointing and stopping")
-        self._event.set()
-
-    def request(self) -> None:
-        self._event.set()
-
-    @property
-    def requested(self) -> bool:
-        return self._event.is_set()
-
-    def check(self) -> None:
-        if self._event.is_set():
-            raise DrainRequested

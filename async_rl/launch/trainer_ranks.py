@@ -1,6 +1,6 @@
 """The trainer's ranks: rank 0 leads, ranks 1..N-1 follow it in lock step.
 
-    trainer = lead(cfg, world_size, master_addr, master_port)       # rank 0 (launch/trainer_proc.py)
+    trainer = lead(cfg, world_size, master_addr, master_port)       # rank 0 (async_rl/launch/trainer_proc.py)
     follow(cfg, rank, world_size, master_addr, master_port)          # ranks 1..N-1, until rank 0 stops
 
 Rank 0 owns the queue, metrics, checkpoints and publishing and hosts a TCPStore at
@@ -38,8 +38,8 @@ from async_rl.placement import rank_device
 from async_rl.trainer.backends import RankInfo, TrainerBackend, get_backend
 from async_rl.transport.codec import decode, encode
 from async_rl.types import Trajectory
-from launch.common import effective_threads, free_port
-from launch.procs import child_error, spawn, stop_all, with_overrides
+from async_rl.launch.common import effective_threads, free_port
+from async_rl.launch.procs import child_error, spawn, stop_all, with_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def open_store(cfg: Config, rank: int, world_size: int, master_addr: str, master
                          timeout=timedelta(seconds=cfg.transport.peer_timeout_s))
 
 
-def _rank_cfg(cfg: Config, rank: int, local_rank: int | None) -> Config:
+def rank_cfg(cfg: Config, rank: int, local_rank: int | None) -> Config:
     """The config rank `rank` builds its trainer with: its own device (async_rl.placement.rank_device)."""
     device = rank_device(cfg.trainer.device, rank if local_rank is None else local_rank)
     return with_overrides(cfg, trainer={"device": device})
@@ -196,7 +196,7 @@ def follow(cfg: Config, rank: int, world_size: int, master_addr: str, master_por
            local_rank: int | None = None) -> None:
     """Ranks 1..N-1: build the same trainer, then run rank 0's commands until it says stop."""
     store = open_store(cfg, rank, world_size, master_addr, master_port)
-    trainer = get_backend(cfg.trainer.backend).build(_rank_cfg(cfg, rank, local_rank),
+    trainer = get_backend(cfg.trainer.backend).build(rank_cfg(cfg, rank, local_rank),
                                                      _rank_info(cfg, rank, world_size, store, local_rank))
     seq = 0
     try:
@@ -219,7 +219,7 @@ def lead(cfg: Config, world_size: int, master_addr: str, master_port: int, local
     """Rank 0's trainer: the backend's own for one rank, else a `Leader` over the process group."""
     spec = get_backend(cfg.trainer.backend)
     store = open_store(cfg, 0, world_size, master_addr, master_port) if spec.distributed else None
-    trainer = spec.build(_rank_cfg(cfg, 0, local_rank), _rank_info(cfg, 0, world_size, store, local_rank))
+    trainer = spec.build(rank_cfg(cfg, 0, local_rank), _rank_info(cfg, 0, world_size, store, local_rank))
     if world_size == 1:
         return trainer
     return Leader(trainer, store, world_size, check_followers=check_followers)
@@ -247,7 +247,7 @@ def local_followers(cfg: Config) -> Iterator[tuple[str, int, Callable[[], None] 
         yield "127.0.0.1", 0, None
         return
     addr, port = "127.0.0.1", free_port()
-    procs = {f"trainer_rank{r}": spawn(f"trainer_rank{r}", "launch.trainer_ranks:follower_main", cfg, rank=r,
+    procs = {f"trainer_rank{r}": spawn(f"trainer_rank{r}", "async_rl.launch.trainer_ranks:follower_main", cfg, rank=r,
                                        world_size=n, master_addr=addr, master_port=port) for r in range(1, n)}
 
     def check_followers() -> None:

@@ -33,8 +33,8 @@ from async_rl.config import Config, resolve_secret
 from async_rl.models import checkpoint_dir, model_config
 from async_rl.utils.hardware import resolve_device, resolve_dtype
 from async_rl.utils.ports import free_port
-from launch.external_server import Starting, start_guarded, wait_healthy
-from launch.procs import server_name, stop_all
+from async_rl.launch.external_server import Starting, start_guarded, wait_healthy
+from async_rl.launch.procs import server_name, stop_all
 
 EXTENSION_DIR = Path(__file__).resolve().parents[1] / "async_rl" / "engine" / "vllm_ext"
 EXTENSION_CLS = "async_rl_vllm_worker.AsyncRLWorker"

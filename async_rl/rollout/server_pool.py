@@ -106,7 +106,7 @@ class ServerPool:
         self._cursor = -1  # index of the last server a request was placed on (round-robin among equals)
         self._changed: asyncio.Condition | None = None
         self._health: asyncio.Task | None = None
-        # whoever restarts dead servers (launch/server_keeper.py): `await recovery()` says whether one is
+        # whoever restarts dead servers (async_rl/launch/server_keeper.py): `await recovery()` says whether one is
         # coming back, caught up to `version`; a weight update that no server loaded is fatal only if not
         self.recovery: Callable[[], Awaitable[bool]] | None = None
 

@@ -1,6 +1,6 @@
 """The trainer under a simulated clock, with the real batching rule and the real staleness filter.
 
-Like `launch/trainer_proc.py`: wait for `trainer.batch_size` trajectories (whole groups, the oldest
+Like `async_rl/trainer/loop.py`: wait for `trainer.batch_size` trajectories (whole groups, the oldest
 first: the queue's `take_groups`), keep what the trainer's `split_by_age` keeps at the bound
 `train_staleness(cfg)`, train (a batch dropped whole is no step: the rollout side is told to
 release it), publish the new version (the trainer is busy meanwhile), then wait again. Work is

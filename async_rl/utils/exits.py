@@ -25,7 +25,7 @@ def exit_now(code: int | None) -> None:
         # already leaving: a SIGTERM or SIGINT now (a starter stopping its children at the moment one exits)
         # ends the exit at once. Left to the process's handler it raised KeyboardInterrupt inside an exit
         # hook, and Python printed "Exception ignored in atexit callback" with a traceback on the stderr
-        # the process shares with the command (seen in make test: launch/procs.py:_interrupt in torch's
+        # the process shares with the command (seen in make test: async_rl/launch/procs.py:_interrupt in torch's
         # library finalizer).
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: os._exit(code))

@@ -1,8 +1,8 @@
-"""The command line in tests: as a user runs it (`python -m launch.cli`, a child process), and in this
+"""The command line in tests: as a user runs it (`python -m async_rl.launch.cli`, a child process), and in this
 process for bad input that stops before any process starts.
 
 A child pays ~3 s of imports (torch, transformers) before it reads its arguments; a suite with
-dozens of bad-input cases spent minutes on that alone. `cli_here` calls the same `launch.cli.main`
+dozens of bad-input cases spent minutes on that alone. `cli_here` calls the same `async_rl.launch.cli.main`
 with the same arguments from the repository root and captures what it prints, so those cases
 check the same words and exit code in milliseconds. `test_cli_errors.py` keeps one case of every
 kind on the real entry point (`cli`), so what only a child shows (a warning at import, a traceback
@@ -34,16 +34,16 @@ def running(pid: int) -> bool:
 
 
 def cli(*args: str, timeout: float = 400, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m launch.cli ARGS` from the repository root, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    """`python -m async_rl.launch.cli ARGS` from the repository root, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "async_rl.launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 def cli_here(*args: str) -> subprocess.CompletedProcess:
-    """`launch.cli.main(ARGS)` in this process, from the repository root: its exit code and what it printed.
+    """`async_rl.launch.cli.main(ARGS)` in this process, from the repository root: its exit code and what it printed.
     Only for input the launcher refuses before it starts a process: the logging set-up, the signal
     handlers and the working directory it changes are put back."""
-    from launch.cli import main
+    from async_rl.launch.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()
@@ -66,4 +66,4 @@ def cli_here(*args: str) -> subprocess.CompletedProcess:
         root.setLevel(level)
         for s, handler in sigs.items():
             signal.signal(s, handler)
-    return subprocess.CompletedProcess(["launch.cli", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(["async_rl.launch.cli", *args], code, out.getvalue(), err.getvalue())

@@ -3,11 +3,11 @@ side that starts again never sends the groups its trainer did not commit (their 
 again, as if they had never been made). `tests/e2e/test_breakage.py` sees the audit fail with it. Never
 part of a real run."""
 
-import launch.rollout_proc
+import async_rl.launch.rollout_proc
 
 
 def _nothing_to_resend(outbox, ledger, trainer_version):
     return []
 
 
-launch.rollout_proc._resendable = _nothing_to_resend
+async_rl.launch.rollout_proc.resendable = _nothing_to_resend

@@ -117,7 +117,7 @@ def test_python_tool_without_isolation_is_refused_at_start_up(command, tmp_path)
     """A container without bubblewrap and user namespaces (here: neither program on PATH): the
     python tool under `isolation: auto` is refused in one line before any process starts."""
     no_bwrap_no_unshare = {**os.environ, "PATH": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-m", "launch.cli", command, "--config", AGENTIC, f"run_dir={tmp_path}",
+    res = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", command, "--config", AGENTIC, f"run_dir={tmp_path}",
                           "transport.addr=tcp://127.0.0.1:9", "agent.tools_config=configs/tools/default.yaml"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=no_bwrap_no_unshare)
     assert_one_line_error(res, "agent.tools_config=configs/tools/default.yaml: tool 'python': python tool refused: "
@@ -128,7 +128,7 @@ def test_python_tool_without_isolation_is_refused_at_start_up(command, tmp_path)
 
 
 def test_the_real_entry_point_refuses_each_kind_in_one_line(tmp_path):
-    """One case of each kind above through `python -m launch.cli`, as a user runs it: what only a child
+    """One case of each kind above through `python -m async_rl.launch.cli`, as a user runs it: what only a child
     process shows (a warning printed at import, a traceback at start-up) fails here."""
     cases = [(["run", "--config", DEBUG, "mode=turbo"], "mode: must be one of async|sync"),
              (["rollout", "--config", AGENTIC, "transport.addr=tcp://127.0.0.1:9", "rollout.agent=nope"],
@@ -141,7 +141,7 @@ def test_the_real_entry_point_refuses_each_kind_in_one_line(tmp_path):
 
 
 def test_a_refused_run_leaves_nothing_holding_its_output():
-    """The launcher starts its children's fork server first thing (launch/procs.py); a run refused after
+    """The launcher starts its children's fork server first thing (async_rl/launch/procs.py); a run refused after
     that stops it at once. Left alone, it would hold the command's stdout open until its ~5 s of imports
     were done: a shell pipe, or a test reading the output, would wait for them."""
     _output_released(["rollout", "--config", AGENTIC, "transport.addr=tcp://127.0.0.1:9", "rollout.agent=nope"],
@@ -159,7 +159,7 @@ def test_a_finished_run_leaves_nothing_holding_its_output(tmp_path):
 def _output_released(args: list[str], code: int, within_s: float, wait_s: float) -> None:
     """Run the command with its stdout on a pipe: it exits with `code`, and `within_s` later nothing
     else holds the pipe open."""
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     try:
         assert proc.wait(wait_s) == code

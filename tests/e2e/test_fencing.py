@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.common import free_port
+from async_rl.launch.common import free_port
 from tests.e2e.test_run import DEBUG, ROOT, cli, metrics
 
 # a lost side is reported, not waited for (transport.rejoin_timeout_s=0; test_rejoin covers coming back)
@@ -39,7 +39,7 @@ def wait_for(predicate, timeout_s: float, what: str, *alive: subprocess.Popen):
 
 
 def start(command: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", command, *args], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", command, *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -85,7 +85,7 @@ def separate_sides(tmp_path: Path, steps: int = 1000) -> tuple[subprocess.Popen,
 
 def kill_side(proc: subprocess.Popen, run_dir: Path, name: str) -> float:
     """SIGKILL the process the command line started (the side itself, not the command-line parent), by the
-    pid file it writes (launch/procs.py)."""
+    pid file it writes (async_rl/launch/procs.py)."""
     pid_file = run_dir / "logs" / f"{name}.pid"
     wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 120, "the side's pid file", proc)
     os.kill(int(pid_file.read_text()), signal.SIGKILL)

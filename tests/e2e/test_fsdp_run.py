@@ -13,7 +13,7 @@ DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
 
 
 def cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "async_rl.launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -20,10 +20,10 @@ import ray
 
 from async_rl.config import load_config
 from async_rl.trainer.checkpoint import latest_checkpoint
-from launch.common import free_port
-from launch.local import RunFailed
-from launch import ray_launcher
-from launch.ray_launcher import RayRun, run_ray
+from async_rl.launch.common import free_port
+from async_rl.launch.local import RunFailed
+from async_rl.launch import ray_launcher
+from async_rl.launch.ray_launcher import RayRun, run_ray
 
 pytestmark = pytest.mark.alone  # make test runs these after the two-worker part, on their own
 
@@ -40,7 +40,7 @@ def config(run_dir: Path, *overrides: str):
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "async_rl.launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=ENV)
 
 
@@ -157,7 +157,7 @@ def test_failed_process_ends_the_run_naming_it_and_its_log(tmp_path, cluster):
 
 def test_two_trainer_ranks_train_then_sigterm_tears_everything_down(tmp_path, cluster):
     """Ranks 0 and 1 in their own bundles train in lock step; SIGTERM stops every process, frees the bundles."""
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", DEBUG, "launcher=ray",
+    proc = subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", "run", "--config", DEBUG, "launcher=ray",
                              f"ray.address={cluster}", "trainer.backend=fsdp", "trainer.world_size=2",
                              "ray.num_cpus_per_trainer=0.5", "total_steps=500", f"run_dir={tmp_path}", *FAST],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.common import free_port
+from async_rl.launch.common import free_port
 from tests.e2e.admission import check_arrived, check_produced, gate_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _start(kind: str, *args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", kind, *args], cwd=ROOT, stdout=log.open("w"),
+    return subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", kind, *args], cwd=ROOT, stdout=log.open("w"),
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -91,7 +91,7 @@ def test_rollout_side_killed_and_restarted_rejoins_at_the_current_version(tmp_pa
     # the trainer's directory alone cannot vouch for what the sides produced; with both sides' ledgers
     # nothing is lost: the killed side's undelivered groups are replaced (their prompts generated again
     # by the new side), no prompt of the stream is skipped, nothing is trained twice
-    audit = [sys.executable, "-m", "launch.cli", "audit"]
+    audit = [sys.executable, "-m", "async_rl.launch.cli", "audit"]
     alone = subprocess.run([*audit, str(tmp_path / "t")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert alone.returncode == 1 and "incomplete: no rollout ledger" in alone.stdout, alone.stdout
     audited = subprocess.run([*audit, str(tmp_path / "t"), str(tmp_path / "r1"), str(tmp_path / "r2")],

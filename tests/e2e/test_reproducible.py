@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     # same threads in both modes (pinned pools), so the two runs differ only in mode
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", "configs/debug_cpu.yaml",
+    return subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", "run", "--config", "configs/debug_cpu.yaml",
                              f"run_dir={run_dir}", "total_steps=3", "seed=7", "log.progress=false",
                              "log.trajectories=true", "model.dtype=float32", "trainer.compute_dtype=float32",
                              "rollout.max_new_tokens=3", "cores.engine=[0]", "cores.trainer=[1]", *overrides],

@@ -32,7 +32,7 @@ ARGS = ["mode=sync", f"total_steps={STEPS}", "trainer.checkpoint_every=1", "mode
 
 
 def _cli(*args: str, stdout=subprocess.PIPE) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, stdout=stdout,
+    return subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", *args], cwd=ROOT, stdout=stdout,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

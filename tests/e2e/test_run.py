@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.common import free_port
+from async_rl.launch.common import free_port
 from tests.e2e.admission import check_admission, gate_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,7 +15,7 @@ DEBUG = str(ROOT / "configs" / "debug_cpu.yaml")
 
 
 def cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "async_rl.launch.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -106,7 +106,7 @@ def test_train_and_rollout_started_separately(tmp_path):
     addr = f"tcp://127.0.0.1:{free_port()}"
     common = ["--config", DEBUG, f"transport.addr={addr}", "total_steps=3", "weight_sync.transport=zmq",
               "log.progress=false"]
-    train = subprocess.Popen([sys.executable, "-m", "launch.cli", "train", *common, f"run_dir={tmp_path / 't'}"],
+    train = subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", "train", *common, f"run_dir={tmp_path / 't'}"],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         roll = cli("rollout", *common, f"run_dir={tmp_path / 'r'}")

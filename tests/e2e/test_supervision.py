@@ -39,7 +39,7 @@ def _rows(path: Path) -> list[dict]:
 def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     # output to files, not pipes: nobody reads a pipe while the test waits, and a full one blocks the run
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", DEBUG, f"run_dir={run_dir}",
+    proc = subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", "run", "--config", DEBUG, f"run_dir={run_dir}",
                              *FAST, *overrides], cwd=ROOT, stdout=(run_dir / "stdout.txt").open("w"),
                             stderr=(run_dir / "stderr.txt").open("w"), text=True, start_new_session=True)
     proc.run_dir = run_dir
@@ -157,7 +157,7 @@ def test_random_kills_of_every_component_within_one_run(tmp_path):
     # nothing produced was lost (outbox, rejoin) and nothing trained twice (dedup, rollback on resume)
     ledger = audit([tmp_path])
     assert ledger.ok and ledger.rolled_back > 0, (where, ledger.lines())  # training undone, and redone
-    audited = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(tmp_path)], cwd=ROOT,
+    audited = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "audit", str(tmp_path)], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert audited.returncode == 0 and "lost=0 duplicated=0 lost_prompts=0 duplicated_prompts=0" in audited.stdout, \
         audited.stdout + audited.stderr

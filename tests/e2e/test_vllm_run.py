@@ -14,7 +14,7 @@ import json
 import pytest
 
 from async_rl.config import load_config
-from launch.vllm_server import engine_python
+from async_rl.launch.vllm_server import engine_python
 from tests.e2e.test_run import DEBUG, cli, metrics, rollout_metrics
 
 STEPS = 12

@@ -38,7 +38,7 @@ from async_rl.transport.queue import TrajectoryQueueServer
 from async_rl.types import Trajectory
 from async_rl.weight_sync.disk import load_weights
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 from served_weights import save_weights_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,16 +269,16 @@ def test_keys_command_then_the_two_machine_example_is_refused_without_keys_and_r
     """docs/deployment.md's two machines, on one: the trainer binds an address other machines reach. Without
     keys `async-rl train` stops with one line naming transport.curve_keys_dir and `async-rl keys`; with the
     keys `async-rl keys` wrote (CURVE on the queue, the API token on the rollout side's servers) both sides run."""
-    from launch.common import free_port
+    from async_rl.launch.common import free_port
 
     keys = tmp_path / "keys"
-    made = subprocess.run([sys.executable, "-m", "launch.cli", "keys", "--out", str(keys)], cwd=ROOT,
+    made = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "keys", "--out", str(keys)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
     for name in ("server.key", "server.key_secret", "client.key", "client.key_secret", "authorized_clients/client.key",
                  "api_key"):
         assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600, name
-    again = subprocess.run([sys.executable, "-m", "launch.cli", "keys", "--out", str(keys)], cwd=ROOT,
+    again = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "keys", "--out", str(keys)], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "never overwritten" in again.stderr
 
@@ -287,18 +287,18 @@ def test_keys_command_then_the_two_machine_example_is_refused_without_keys_and_r
     common = ["--config", str(ROOT / "configs" / "debug_cpu.yaml"), "total_steps=2", "weight_sync.transport=zmq",
               "trainer.batch_size=16", "task.eval_size=8", "log.progress=false"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    open_train = subprocess.run([sys.executable, "-m", "launch.cli", "train", *common, f"run_dir={tmp_path / 'x'}",
+    open_train = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "train", *common, f"run_dir={tmp_path / 'x'}",
                                  f"transport.addr={bind}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert open_train.returncode == 2 and "transport.curve_keys_dir" in open_train.stderr, open_train.stderr
     assert "`async-rl keys --out DIR`" in open_train.stderr and open_train.stderr.count("error: ") == 1
 
     secured = [*common, f"transport.curve_keys_dir={keys}", f"engine.api_key=file:{keys / 'api_key'}"]
-    train = subprocess.Popen([sys.executable, "-m", "launch.cli", "train", *secured, f"run_dir={tmp_path / 'a'}",
+    train = subprocess.Popen([sys.executable, "-m", "async_rl.launch.cli", "train", *secured, f"run_dir={tmp_path / 'a'}",
                               f"transport.addr={bind}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env)
     try:
         connect = bind if ip != "0.0.0.0" else bind.replace("0.0.0.0", "127.0.0.1")
-        roll = subprocess.run([sys.executable, "-m", "launch.cli", "rollout", *secured, f"run_dir={tmp_path / 'b'}",
+        roll = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "rollout", *secured, f"run_dir={tmp_path / 'b'}",
                                f"transport.addr={connect}"], cwd=ROOT, capture_output=True, text=True, timeout=400,
                               env=env)
         _, err = train.communicate(timeout=120)
@@ -312,6 +312,6 @@ def test_keys_command_then_the_two_machine_example_is_refused_without_keys_and_r
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert all(r["queue/auth_refused"] == 0 for r in rows)
     assert "CURVE on the trajectory queue" in (tmp_path / "a" / "logs" / "train.log").read_text()
-    audited = subprocess.run([sys.executable, "-m", "launch.cli", "audit", str(tmp_path / "a"), str(tmp_path / "b")],
+    audited = subprocess.run([sys.executable, "-m", "async_rl.launch.cli", "audit", str(tmp_path / "a"), str(tmp_path / "b")],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert audited.returncode == 0, audited.stdout  # the side's identity is its key on both ledgers

@@ -5,7 +5,7 @@
   `make test` builds it, so the leg runs there; skipped, saying why, where the environment is missing;
 - `sglang`: a real SGLang server where SGLang and a CUDA GPU are present (skipped elsewhere).
 
-Each backend's server is started through its registered launcher (`launch.servers`) and driven
+Each backend's server is started through its registered launcher (`async_rl.launch.servers`) and driven
 through its registered client (`async_rl.engine.clients`), exactly as a run does, on the tiny
 model in fp32 (head size 32: vLLM's CPU attention takes 32, 64, ...), so every comparison with
 a transformers forward of the same weights can be tight. The rules held:
@@ -36,10 +36,10 @@ from async_rl.models import load_model, load_tokenizer
 from async_rl.trainer.logprobs import token_logprobs
 from async_rl.types import RequestRefused, SamplingParams
 from async_rl.weight_sync.disk import DiskWeightPublisher
-from launch.external_server import Starting
-from launch.procs import stop_all
-from launch.servers import SERVER_LAUNCHERS
-from launch.vllm_server import engine_python
+from async_rl.launch.external_server import Starting
+from async_rl.launch.procs import stop_all
+from async_rl.launch.servers import SERVER_LAUNCHERS
+from async_rl.launch.vllm_server import engine_python
 from tests.e2e.test_run import DEBUG
 
 pytestmark = pytest.mark.timeout(600)  # the first test of a backend waits for its server's start

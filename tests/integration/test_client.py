@@ -19,7 +19,7 @@ from async_rl.engine.client import HttpGenerationClient, ServerUnreachableError
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.protocols import GenerationClient
 from async_rl.types import SamplingParams
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 from served_weights import save_weights_dir
 
 

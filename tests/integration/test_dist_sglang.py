@@ -268,7 +268,7 @@ def test_a_rank_that_dies_mid_version_fails_the_publish_within_the_deadline_and_
     _, stderr = _wait(child, 120)
     thread.join(60)
     assert child.returncode == 0 and not errors, stderr[-2000:]
-    # version 2 again, for a server that joined after it went out (launch/trainer_proc.py _Versions): the group
+    # version 2 again, for a server that joined after it went out (async_rl/trainer/versions.py VersionReplay): the group
     # of the first delivery is torn down and a fresh one formed, which the new server joins alone
     formed = announced[0]["group"]["group_name"]
     thread, announced, errors = _publish(publisher, trainer.weights(), 2)

@@ -2,8 +2,8 @@
 
 The "server" here is a real program standing in for SGLang (`engine.python` pointed at a shell
 script): it writes its pid and then never becomes healthy, as a real engine does for minutes while
-it loads. The launcher is the real one (`launch.sglang_server.start_sglang` through
-`launch.rollout_proc.start_servers`, in a real starter process). What used to go wrong: the server
+it loads. The launcher is the real one (`async_rl.launch.sglang_server.start_sglang` through
+`async_rl.launch.rollout_proc.start_servers`, in a real starter process). What used to go wrong: the server
 was tracked only once healthy, so a starter interrupted during those minutes left it running,
 holding its GPU; and under Ray a dead server crashed the supervisor (its process had no `name`).
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import load_config
-from launch.external_server import Starting, start_guarded, wait_healthy
-from launch.procs import child_error, stop_all
+from async_rl.launch.external_server import Starting, start_guarded, wait_healthy
+from async_rl.launch.procs import child_error, stop_all
 from tests.e2e.test_run import DEBUG
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ STARTER = textwrap.dedent("""
     import signal, sys
     from async_rl.config import load_config
     from async_rl.placement import GpuSlot
-    from launch.rollout_proc import start_servers
+    from async_rl.launch.rollout_proc import start_servers
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     cfg = load_config(sys.argv[1], sys.argv[2:])
     try:

@@ -33,8 +33,8 @@ from async_rl.trainer.checkpoint import load_checkpoint
 from async_rl.transport.codec import decode
 from async_rl.types import Trajectory
 from async_rl.weight_sync.disk import DiskWeightPublisher, load_weights
-from launch.common import free_port
-from launch.trainer_ranks import follower_main, lead
+from async_rl.launch.common import free_port
+from async_rl.launch.trainer_ranks import follower_main, lead
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

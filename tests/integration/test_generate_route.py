@@ -10,7 +10,7 @@ import torch
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine.sglang_api import generate_body
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 from sglang_targets import TEXTS, Target, greedy, streamed_until
 
 

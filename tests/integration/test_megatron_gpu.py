@@ -20,7 +20,7 @@ import torch
 
 from async_rl.config import Config
 from async_rl.trainer.backends import RankInfo, get_backend
-from launch.common import free_port
+from async_rl.launch.common import free_port
 from tests.integration.test_fsdp_trainer import _cfg, _groups
 from tests.integration.test_resume_ranks import _run
 

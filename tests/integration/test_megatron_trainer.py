@@ -35,7 +35,7 @@ pytest.importorskip("megatron.core", reason="the megatron extra: pip install -e 
 from async_rl.config import Config  # noqa: E402
 from async_rl.trainer.backends import RankInfo, get_backend  # noqa: E402
 from async_rl.trainer.backends.megatron_layout import LlamaShape, interleave_qkv, params, to_hf, to_shard  # noqa: E402
-from launch.common import free_port  # noqa: E402
+from async_rl.launch.common import free_port  # noqa: E402
 from tests.integration.test_fsdp_trainer import _cfg, _groups, _reference, step  # noqa: E402
 from tests.integration.test_resume_ranks import _run  # noqa: E402
 from tests.unit.test_megatron_layout import SHAPES, _hf  # noqa: E402

@@ -31,7 +31,7 @@ from async_rl.rollout.server_pool import ServerPool
 from async_rl.tool_parsers import build_tool_parser
 from async_rl.transport.codec import decode, encode
 from async_rl.types import Sample, SamplingParams, Trajectory
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 QUESTION = [{"role": "user", "content": "What is 40+2?"}]
 CALCULATOR = CalculatorTool().schema

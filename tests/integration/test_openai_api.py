@@ -13,7 +13,7 @@ import torch
 
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.models import CHATML_TEMPLATE, PRINTABLE, build_tiny_tokenizer, chat_prompt_ids, load_model
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 # ChatML that also renders the tools, so the test can see them reach the template
 TOOLS_TEMPLATE = "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}" + CHATML_TEMPLATE

@@ -17,7 +17,7 @@ from tokenizers.processors import TemplateProcessing
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine.openai_fields import CHAT_NEUTRAL, METADATA, NEUTRAL
 from async_rl.models import CHATML_TEMPLATE, PRINTABLE, build_tiny_tokenizer, chat_prompt_ids, load_model
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 # ChatML with one template variable, so chat_template_kwargs can be seen reaching the template
 TEMPLATE = "{% if persona %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}" + CHATML_TEMPLATE

@@ -20,7 +20,7 @@ from scripted_model import build_scripted_checkpoint
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.models import chat_prompt_ids, load_model, load_tokenizer
 from async_rl.tool_parsers import build_tool_parser, chat_template_messages, openai_assistant_message
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 QUESTION = [{"role": "user", "content": "What is 40+2?"}]
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}

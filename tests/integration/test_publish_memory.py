@@ -1,7 +1,7 @@
 """A publish holds at most one bucket of extra memory, on the path training uses.
 
 The trainer publishes `trainer.weights()` (views of its fp32 parameters) through
-`publish_weights`, as `launch/trainer_proc.py` does, over the `dist` transport in bf16 to a
+`publish_weights`, as `async_rl/trainer/loop.py` does, over the `dist` transport in bf16 to a
 server rank in another process. The peak resident memory of this process during the
 publish (VmHWM, reset through /proc/self/clear_refs) minus its memory before it is the
 publish's extra memory: at most one bucket (plus a little allocator and gloo slack). The old
@@ -24,7 +24,7 @@ from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.models import build_tiny_tokenizer, load_model
 from async_rl.trainer.trainer import PPOTrainer
 from async_rl.weight_sync.dist_publisher import DistWeightPublisher
-from launch.trainer_proc import publish_weights
+from async_rl.trainer.versions import publish_weights
 
 ALPHABET = "0123456789+= "
 BUCKET = 4 << 20

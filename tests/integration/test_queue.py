@@ -399,11 +399,11 @@ class _Policy:
 
 
 def test_weights_are_replayed_to_a_side_that_joined_after_the_publish_and_to_no_other(loop):
-    from launch.trainer_proc import _Versions
+    from async_rl.trainer.versions import VersionReplay
 
     with TrajectoryQueueServer("tcp://127.0.0.1:0", capacity=8, **FAST) as server:
         publisher, policy = _RecordingPublisher(), _Policy()
-        versions = _Versions(server, publisher, policy)
+        versions = VersionReplay(server, publisher, policy)
         first = TrajectoryQueueClient(server.address, producer_id="first", **FAST)
         loop.run(first.connect(60))
         wait_until(lambda: server.stats()["queue/sessions"] == 1, 60, "the first session counted")

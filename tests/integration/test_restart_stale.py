@@ -18,7 +18,7 @@ from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import load_model, load_tokenizer
 from async_rl.rollout.controller import RolloutController
 from async_rl.tasks import build_task
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 from tests.e2e.test_run import DEBUG
 from served_weights import save_weights_dir
 

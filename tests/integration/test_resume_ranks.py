@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from async_rl.config import Config, ModelConfig, TrainerConfig
 from async_rl.trainer.backends import RankInfo, get_backend
 from async_rl.trainer.backends.scatter import shard_rows
-from launch.common import free_port
-from launch.trainer_ranks import follower_main, lead
+from async_rl.launch.common import free_port
+from async_rl.launch.trainer_ranks import follower_main, lead
 from tests.integration.test_fsdp_trainer import _groups, step  # 4 prompts x 4 answers, fixed per step
 
 STEPS, K = 4, 2  # train 4 steps, checkpoint after 2

@@ -14,7 +14,7 @@ from async_rl.tasks import build_task
 from async_rl.trainer.advantages import group_advantages
 from async_rl.trainer.batching import collate
 from async_rl.types import SamplingParams
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 MODEL = ModelConfig(dtype="float32", tiny_alphabet="01234+=", max_position=64)
 

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, eos_token_ids, load_model
-from launch.serve import BackgroundServer, EngineServer
+from async_rl.launch.serve import BackgroundServer, EngineServer
 from served_weights import save_weights_dir
 
 TEXTS = ["The quick brown fox", "jumps over", "the lazy dog and keeps running", "a", "Hello, world!", "0123"]
@@ -247,7 +247,7 @@ def test_health_model_info_and_metrics(srv):
 
 def standalone_server(tmp_path) -> tuple[subprocess.Popen, str]:
     """`serve_main` as its own process with no ready file: it prints its address, read back here."""
-    code = ("import sys; from async_rl.config import load_config; from launch.serve import serve_main; "
+    code = ("import sys; from async_rl.config import load_config; from async_rl.launch.serve import serve_main; "
             "serve_main(load_config(None, sys.argv[2:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "-", "engine.port=0", "engine.num_threads=1",
                              "engine.kv_cache_mb=8", f"run_dir={tmp_path}"], stdout=subprocess.PIPE,

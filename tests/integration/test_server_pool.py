@@ -31,9 +31,9 @@ from async_rl.weight_sync.disk import DiskWeightPublisher
 from async_rl.weight_sync.versions import version_dir
 from async_rl.weight_sync.receivers import DiskWeightReceiver
 from async_rl.weight_sync.staging import WeightsSuperseded
-from launch.common import free_port
-from launch.procs import start_server, stop_all
-from launch.serve import BackgroundServer
+from async_rl.launch.common import free_port
+from async_rl.launch.procs import start_server, stop_all
+from async_rl.launch.serve import BackgroundServer
 from tests.e2e.test_run import DEBUG
 from served_weights import save_weights_dir
 
@@ -272,15 +272,15 @@ def test_a_version_pruned_before_the_server_loads_it_is_skipped_not_fenced(serve
 
 
 def test_wrong_address_and_another_model_are_one_clear_error(servers):
-    from launch.rollout_proc import _ready_pool
+    from async_rl.launch.rollout_proc import ready_pool
 
     cfg = load_config(DEBUG, [f"run_dir={servers.cfg.run_dir}", "rollout.connect_timeout_s=1"])
     closed = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionError, match=r"rollout.server_addrs\[1\]: .*127.0.0.1") as err:
-        asyncio.run(_ready_pool(cfg, [servers.urls[0], closed], True, servers.tok))
+        asyncio.run(ready_pool(cfg, [servers.urls[0], closed], True, servers.tok))
     assert "\n" not in str(err.value) and "not reachable after 1s" in str(err.value)  # its timeout ended the wait
     with pytest.raises(ValueError, match=r"rollout.server_addrs: .*http://"):
-        asyncio.run(_ready_pool(cfg, ["127.0.0.1:8000"], True, servers.tok))
+        asyncio.run(ready_pool(cfg, ["127.0.0.1:8000"], True, servers.tok))
 
     other_cfg = load_config(DEBUG, ["model.dtype=float32", "model.tiny_alphabet=01+="])
     other_tok = load_tokenizer(other_cfg.model)
@@ -288,17 +288,17 @@ def test_wrong_address_and_another_model_are_one_clear_error(servers):
     with BackgroundServer.for_model(other, other_tok, servers.cfg.engine, model_name="tiny") as small, \
             BackgroundServer.for_model(other, other_tok, servers.cfg.engine, model_name="smollm2-135m") as named:
         with pytest.raises(ValueError, match=r"rollout.server_addrs\[1\] .*vocabulary.*another model"):
-            asyncio.run(_ready_pool(cfg, [servers.urls[0], small], True, servers.tok))
+            asyncio.run(ready_pool(cfg, [servers.urls[0], small], True, servers.tok))
         with pytest.raises(ValueError, match=r"rollout.server_addrs\[0\] .*serves model 'smollm2-135m'.*'tiny'"):
-            asyncio.run(_ready_pool(cfg, [named], True, servers.tok))
+            asyncio.run(ready_pool(cfg, [named], True, servers.tok))
 
 
 def test_a_server_brought_back_while_this_side_waits_for_it_is_found(servers):
-    """`_ready_pool` (launch/rollout_proc.py) starts the watch, the server keeper, before its first wait: a
+    """`ready_pool` (async_rl/launch/rollout_proc.py) starts the watch, the server keeper, before its first wait: a
     server that is down when a restarted rollout side begins waiting, and that the keeper starts again on
     its port, is found. With the watch started after the wait, nobody starts it: the wait runs out."""
-    from launch.rollout_proc import _ready_pool
-    from launch.serve import build_app, build_engine
+    from async_rl.launch.rollout_proc import ready_pool
+    from async_rl.launch.serve import build_app, build_engine
 
     port = free_port()
     cfg = load_config(DEBUG, [f"run_dir={servers.cfg.run_dir}", "rollout.connect_timeout_s=20"])
@@ -322,7 +322,7 @@ def test_a_server_brought_back_while_this_side_waits_for_it_is_found(servers):
             self.timer.cancel()
 
     async def main():
-        pool, keeper = await _ready_pool(cfg, [f"http://127.0.0.1:{port}"], False, servers.tok, lambda pool: Keeper())
+        pool, keeper = await ready_pool(cfg, [f"http://127.0.0.1:{port}"], False, servers.tok, lambda pool: Keeper())
         await pool.close()
         await keeper.close()
 

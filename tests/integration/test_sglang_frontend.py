@@ -21,7 +21,7 @@ import torch
 
 from async_rl.config import EngineConfig, ModelConfig
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
                                 reason="sglang is not installed (make install: pip install --no-deps sglang==0.5.23 "

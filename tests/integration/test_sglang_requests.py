@@ -21,8 +21,8 @@ from async_rl.config import EngineConfig, ModelConfig
 from async_rl.engine.client import HttpGenerationClient
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.types import SamplingParams
-from launch.common import free_port
-from launch.serve import BackgroundServer
+from async_rl.launch.common import free_port
+from async_rl.launch.serve import BackgroundServer
 from served_weights import save_weights_dir
 
 pytestmark = pytest.mark.skipif(sglang_source.source_dir() is None, reason=sglang_source.SKIP)

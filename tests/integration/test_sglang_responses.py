@@ -22,7 +22,7 @@ from async_rl.engine.client import HttpGenerationClient
 from async_rl.engine.sglang_api import META_KEYS_READ, generate_body
 from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
 from async_rl.types import RequestRefused, SamplingParams
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 pytestmark = pytest.mark.skipif(sglang_source.source_dir() is None, reason=sglang_source.SKIP)
 OURS = {"output_token_versions", "num_interruptions", "num_retractions"}  # the embedded server's extras

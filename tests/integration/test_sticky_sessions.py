@@ -23,7 +23,7 @@ from async_rl.models import PRINTABLE, load_model, load_tokenizer
 from async_rl.rollout.failover import PooledGenerationClient
 from async_rl.rollout.server_pool import ServerPool
 from async_rl.types import SamplingParams
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 BLOCK = 16  # engine.block_size: the prefix cache works in whole blocks
 TURN = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

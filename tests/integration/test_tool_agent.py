@@ -31,7 +31,7 @@ from async_rl.rollout.evaluate import evaluate
 from async_rl.tool_parsers import build_tool_parser
 from async_rl.transport.codec import decode, encode
 from async_rl.types import Sample, SamplingParams, Trajectory
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 from scripted_model import build_scripted_checkpoint
 from served_weights import save_weights_dir
 

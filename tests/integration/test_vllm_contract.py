@@ -16,7 +16,7 @@ import pytest
 from async_rl.config import load_config
 from async_rl.engine.vllm_api import generate_body
 from async_rl.types import SamplingParams
-from launch.vllm_server import engine_python
+from async_rl.launch.vllm_server import engine_python
 from tests.e2e.test_run import DEBUG
 
 CHECK = """

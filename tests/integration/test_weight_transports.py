@@ -44,7 +44,7 @@ from async_rl.weight_sync.dist_publisher import DistWeightPublisher
 from async_rl.weight_sync.dist_receiver import DistWeightReceiver
 from async_rl.weight_sync.staging import WeightSyncError
 from async_rl.weight_sync.zmq_buckets import ZmqWeightPublisher, ZmqWeightReceiver
-from launch.serve import BackgroundServer
+from async_rl.launch.serve import BackgroundServer
 
 ALPHABET = "0123456789+= "
 

@@ -1,5 +1,5 @@
 """run_dir/best: the version with the best validation accuracy, with its own weights, whatever order the
-evaluations report in (launch/best_checkpoint.py)."""
+evaluations report in (async_rl/trainer/best_checkpoint.py)."""
 
 from dataclasses import dataclass
 
@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from async_rl.config import load_config
 from async_rl.rollout.periodic_eval import record_eval
-from launch.best_checkpoint import MAX_PENDING, BestKeeper, read_best
+from async_rl.trainer.best_checkpoint import MAX_PENDING, BestKeeper, read_best
 
 
 @dataclass

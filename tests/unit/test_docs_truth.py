@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from async_rl.config import Config
-from launch.cli import main
+from async_rl.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -31,7 +31,7 @@ SIGNALLED = r"""
 import atexit, os, signal, sys, time
 from async_rl.utils.exits import exit_now
 
-def interrupt(signum, frame):  # what launch/procs.py installs in every child
+def interrupt(signum, frame):  # what async_rl/launch/procs.py installs in every child
     raise KeyboardInterrupt
 
 signal.signal(signal.SIGTERM, interrupt)

@@ -12,11 +12,11 @@ import pytest
 
 from async_rl.config import Config, load_config
 from async_rl.placement import GpuSlot, for_process, place, ray_slot
-from launch import servers
-from launch.local import child_launches
-from launch.procs import spawn
-from launch.rollout_proc import restart_server, server_config, start_servers
-from launch.trainer_ranks import _rank_cfg
+from async_rl.launch import servers
+from async_rl.launch.local import child_launches
+from async_rl.launch.procs import spawn
+from async_rl.launch.rollout_proc import restart_server, server_config, start_servers
+from async_rl.launch.trainer_ranks import rank_cfg
 
 
 def cfg(tmp_path: Path, *overrides: str) -> Config:
@@ -43,9 +43,9 @@ def test_a_shared_gpu_caps_the_trainer_at_its_part(tmp_path):
 def test_each_trainer_rank_builds_on_its_own_gpu(tmp_path):
     c = cfg(tmp_path, "trainer.backend=fsdp", "trainer.world_size=2")
     pool = child_launches(c, place(c, visible=8))["trainer"][0]  # one process, its ranks its children
-    assert [_rank_cfg(pool, r, None).trainer.device for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert [rank_cfg(pool, r, None).trainer.device for r in (0, 1)] == ["cuda:0", "cuda:1"]
     own = for_process(c, "trainer", ray_slot(c, "trainer", [5]))  # Ray: each rank's process has its one GPU
-    assert _rank_cfg(own, 1, None).trainer.device == "cuda:0"
+    assert rank_cfg(own, 1, None).trainer.device == "cuda:0"
 
 
 def test_a_cpu_run_starts_its_children_as_before(tmp_path):
@@ -76,7 +76,7 @@ def test_each_server_starts_on_its_own_gpu(tmp_path, monkeypatch):
 def test_sglang_runs_on_its_placed_gpu_within_the_inherited_mask(tmp_path, monkeypatch):
     """It used to set CUDA_VISIBLE_DEVICES to the server's index ("1"), discarding the mask. SGLang is not
     installed here: `engine.python` is a program that records how it was started and exits."""
-    from launch import sglang_server
+    from async_rl.launch import sglang_server
 
     seen = tmp_path / "seen"
     fake = tmp_path / "python"
@@ -97,7 +97,7 @@ def test_sglang_runs_on_its_placed_gpu_within_the_inherited_mask(tmp_path, monke
 def test_the_engine_sizes_its_kv_pool_from_its_share_of_the_gpu(tmp_path):
     import torch
 
-    from launch.serve import gpu_engine_config
+    from async_rl.launch.serve import gpu_engine_config
 
     c = cfg(tmp_path, "engine.gpu_memory_fraction=0.2", "engine.kv_cache_mb=1")
     engine = gpu_engine_config(c, torch.device("cuda:0"))

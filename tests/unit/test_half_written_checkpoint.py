@@ -5,7 +5,7 @@ crash-looped that way: "Expecting value: line 1 column 1 (char 0)" on every rest
 import json
 
 from async_rl.trainer.checkpoint import latest_checkpoint, prune_checkpoints
-from launch.trainer_proc import _run_checkpoint
+from async_rl.trainer.resume import run_checkpoint
 
 
 def test_a_half_written_checkpoint_is_passed_over_on_resume(tmp_path):
@@ -16,6 +16,6 @@ def test_a_half_written_checkpoint_is_passed_over_on_resume(tmp_path):
     half = tmp_path / "checkpoints" / "step_000003.tmp4242"
     half.mkdir()
     (half / "meta.json").write_text("")  # killed between creating the file and writing it
-    assert _run_checkpoint(tmp_path) == done
+    assert run_checkpoint(tmp_path) == done
     assert latest_checkpoint(tmp_path / "checkpoints") == done
     assert prune_checkpoints(tmp_path / "checkpoints", keep=1) == [] and half.exists()

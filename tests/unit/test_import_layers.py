@@ -14,13 +14,17 @@ ALLOWED = {
     "engine": BASE | {"weight_sync", "tool_parsers"},  # the engine loads what a weight transport delivers
     "agent": BASE | {"rewards", "tool_parsers"},
     "rollout": BASE | {"agent", "transport", "engine", "rewards", "tasks", "weight_sync"},
-    "trainer": BASE,
+    # the step loop (trainer/loop.py) binds the queue and publishes through a weight transport, as the
+    # rollout controller connects to the queue and loads through one
+    "trainer": BASE | {"transport", "weight_sync"},
     "weight_sync": BASE,
     "report": BASE,  # reads run directories; knows no component
     "placement": {"config"},  # which GPUs each pool uses: a pure function of the config, asked by the launchers
     # the simulator drives the real admission, batching and staleness rules (rollout, transport, trainer)
     "sim": BASE | {"rollout", "transport", "trainer"},
 }
+# the processes, launchers and command line: the top, the only layer that knows every concrete class
+ALLOWED["launch"] = set(ALLOWED)
 
 
 def _imports(path: Path) -> set[str]:
@@ -34,7 +38,7 @@ def _imports(path: Path) -> set[str]:
         for name in names:
             parts = name.split(".")
             if parts[0] == "launch":
-                found.add("launch")
+                found.add("<top-level launch>")
             elif parts[0] == "async_rl" and len(parts) > 1:
                 found.add(parts[1])
     return found
@@ -51,7 +55,7 @@ def test_layers():
         assert allowed is not None, f"{rel}: new top-level module {layer!r}: add it to ALLOWED with its layer"
         for imp in _imports(path) - {layer}:
             if imp not in allowed:
-                problems.append(f"{rel} imports async_rl.{imp}" if imp != "launch" else f"{rel} imports launch")
+                problems.append(f"{rel} imports async_rl.{imp}" if imp[0] != "<" else f"{rel} imports {imp}")
     assert not problems, "upward imports:\n" + "\n".join(problems)
 
 
@@ -91,3 +95,19 @@ def test_no_import_circles():
         if node not in state:
             visit(node, [node])
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_one_top_level_package():
+    """The distribution installs `async_rl` alone: the top-level launch/ folder holds entry scripts run as
+    files (no __init__.py, not in pyproject's package list), and nothing imports a module called `launch`."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    tops = {name.split(".")[0] for name in find_packages(str(ROOT), include=project["include"])}
+    assert tops == {"async_rl"}, f"pyproject.toml installs top-level packages {sorted(tops)}"
+    assert not (ROOT / "launch" / "__init__.py").exists(), "launch/ is a folder of scripts, not a package"
+    importers = [str(path.relative_to(ROOT)) for top in ("async_rl", "launch", "tests", "benchmarks")
+                 for path in sorted((ROOT / top).rglob("*.py")) if "<top-level launch>" in _imports(path)]
+    assert not importers, "import the package (async_rl.launch), not a top-level `launch`: " + ", ".join(importers)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from async_rl.utils.ledger import Ledger, audit, committed_state
-from launch.cli import main
+from async_rl.launch.cli import main
 
 SIDE = [("side", [], {"producer": "P"})]
 SESSION = [("session", [], {"producer": "P"})]

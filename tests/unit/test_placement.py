@@ -10,7 +10,7 @@ import pytest
 from async_rl.config import ConfigError, load_config
 from async_rl.placement import (ALONE_ENGINE_FRACTION, SHARED_ENGINE_FRACTION, for_process, kv_cache_bytes, place,
                                 rank_device, ray_gpus, ray_slot)
-from launch.ray_host import plan as ray_plan
+from async_rl.launch.ray_host import plan as ray_plan
 
 FSDP2 = ("trainer.backend=fsdp", "trainer.world_size=2")
 
@@ -49,7 +49,7 @@ def test_one_gpu_is_shared_with_an_explicit_memory_split():
 
 
 def test_sglang_sharing_a_gpu_gets_mem_fraction_static():
-    from launch.sglang_server import sglang_command
+    from async_rl.launch.sglang_server import sglang_command
 
     c = cfg("engine.backend=sglang", "model.name=/models/x")
     plan = place(c, visible=1)

@@ -1,4 +1,4 @@
-"""Children come from one warm fork server (launch/procs.py): they start with its modules imported,
+"""Children come from one warm fork server (async_rl/launch/procs.py): they start with its modules imported,
 a child's own children come from the same server, and none outlives the process that started it,
 although its OS parent (the fork server) lives on."""
 
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from async_rl.config import Config, load_config
-from launch.procs import spawn
+from async_rl.launch.procs import spawn
 from tests.e2e.clitools import running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,9 +22,9 @@ def _cfg(run_dir: Path) -> Config:
 
 def _report(cfg: Config, out: str, nested: bool = False) -> None:
     """Write this process's OS parent and whether the trainer's module (which neither this module nor
-    launch.procs imports) was already loaded when it started; with `nested`, start a child of its own
+    async_rl.launch.procs imports) was already loaded when it started; with `nested`, start a child of its own
     that does the same, and wait for it."""
-    lines = [f"{os.getppid()} {'launch.trainer_proc' in sys.modules}"]
+    lines = [f"{os.getppid()} {'async_rl.launch.trainer_proc' in sys.modules}"]
     if nested:
         child = spawn("grandchild", f"{__name__}:_report", cfg, out=out + ".child")
         child.join(60)
@@ -105,7 +105,7 @@ def test_what_the_fork_server_imports_touches_no_cuda():
             " 'current_device', 'mem_get_info', 'is_bf16_supported'):\n"
             "    setattr(torch.cuda, name, refuse)\n"
             "import importlib\n"
-            "from launch.procs import PRELOAD\n"
+            "from async_rl.launch.procs import PRELOAD\n"
             "for m in PRELOAD: importlib.import_module(m)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]

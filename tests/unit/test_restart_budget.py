@@ -1,5 +1,5 @@
-"""Restart budgets (launch/supervision.py): per component, shared through restarts.jsonl, with backoff;
-the trainer's drain flag set by SIGTERM."""
+"""Restart budgets (async_rl/launch/supervision.py): per component, shared through restarts.jsonl, with backoff;
+the trainer's drain flag set by SIGTERM (async_rl/trainer/drain.py)."""
 
 import os
 import signal
@@ -7,7 +7,8 @@ import signal
 import pytest
 
 from async_rl.config import ConfigError, load_config
-from launch.supervision import Drain, DrainRequested, RestartBudget, read_restarts, restart_lines
+from async_rl.launch.supervision import RestartBudget, read_restarts, restart_lines
+from async_rl.trainer.drain import Drain, DrainRequested
 
 
 def _cfg(tmp_path, *overrides):

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from async_rl.config import load_config
-from launch.local import summary
+from async_rl.launch.local import summary
 
 DEBUG = str(Path(__file__).resolve().parents[2] / "configs" / "debug_cpu.yaml")
 

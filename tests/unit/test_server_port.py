@@ -1,11 +1,11 @@
 """A generation server's port is its own from the moment it is picked, not from the moment uvicorn
-starts serving after the model loads: a queue address that `launch.common.free_port` picked and
+starts serving after the model loads: a queue address that `async_rl.launch.common.free_port` picked and
 ZeroMQ binds (with SO_REUSEADDR, as libzmq does on Linux) must not land on it. CI saw exactly that
 race once: the server's later listen() failed with EADDRINUSE."""
 
 import zmq
 
-from launch.serve import bind_socket, socket_url
+from async_rl.launch.serve import bind_socket, socket_url
 
 
 def test_a_server_socket_holds_its_port_against_zeromq_from_the_start():
@@ -67,7 +67,7 @@ def test_requests_on_a_kept_alive_connection_answer_without_the_delayed_ack_wait
 
     from async_rl.config import EngineConfig, ModelConfig
     from async_rl.models import PRINTABLE, build_tiny_tokenizer, load_model
-    from launch.serve import BackgroundServer
+    from async_rl.launch.serve import BackgroundServer
 
     sock = bind_socket("127.0.0.1", 0)
     try:

@@ -11,7 +11,7 @@ import pytest
 
 import sglang_source
 from async_rl.config import load_config
-from launch.sglang_server import sglang_command
+from async_rl.launch.sglang_server import sglang_command
 
 
 def test_api_key_reaches_sglang_and_is_read_from_the_environment(monkeypatch):

@@ -21,10 +21,10 @@ def test_the_package_sets_a_passive_wait_policy_unless_the_user_chose_one(given,
 
 
 def test_the_command_line_imports_the_package_before_torch():
-    """launch/cli.py's first async_rl import must precede torch's, or libgomp has read the environment already."""
+    """async_rl/launch/cli.py's first async_rl import must precede torch's, or libgomp has read the environment already."""
     probe = ("import sys, builtins\norder = []\nreal = builtins.__import__\n"
              "def spy(name, *a, **k):\n    order.append(name.split('.')[0])\n    return real(name, *a, **k)\n"
-             "builtins.__import__ = spy\nimport launch.cli\n"
+             "builtins.__import__ = spy\nimport async_rl.launch.cli\n"
              "print(order.index('async_rl') < order.index('torch') if 'torch' in order else True)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

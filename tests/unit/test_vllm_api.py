@@ -11,7 +11,7 @@ from async_rl.config import load_config
 from async_rl.engine.sglang_api import output_from_response
 from async_rl.engine.vllm_api import generate_body, merge_chunk, sglang_shaped, unsupported_field
 from async_rl.types import RequestRefused, SamplingParams
-from launch.vllm_server import engine_python, start_vllm, vllm_command
+from async_rl.launch.vllm_server import engine_python, start_vllm, vllm_command
 from tests.e2e.test_run import DEBUG
 
 

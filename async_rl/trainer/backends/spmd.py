@@ -11,7 +11,7 @@ sends each follower its shares as one TensorDict over the trainer's process grou
 CPU, NCCL on CUDA), after a small int64 header with their shapes and trained-token counts.
 Ranks that hold the same rows (the tensor-parallel peers of a megatron data-parallel rank)
 get the same share. Nothing of the batch goes through the rendezvous store: it carries only
-the command names (launch/trainer_ranks.py).
+the command names (async_rl/launch/trainer_ranks.py).
 
 A rank whose share of a micro-batch is empty gets its first trajectory with no trained token
 (weight 0), so every rank runs every micro-batch's forward and backward: FSDP's
