@@ -30,13 +30,14 @@ import os
 from pathlib import Path
 
 from async_rl.config import Config, resolve_secret
+from async_rl.engine import vllm_ext
 from async_rl.models import checkpoint_dir, model_config
 from async_rl.utils.hardware import resolve_device, resolve_dtype
 from async_rl.utils.ports import free_port
 from async_rl.launch.external_server import Starting, start_guarded, wait_healthy
 from async_rl.launch.procs import server_name, stop_all
 
-EXTENSION_DIR = Path(__file__).resolve().parents[1] / "async_rl" / "engine" / "vllm_ext"
+EXTENSION_DIR = Path(vllm_ext.__file__).resolve().parent  # on the server's PYTHONPATH: its worker extension
 EXTENSION_CLS = "async_rl_vllm_worker.AsyncRLWorker"
 ENV_DIR = ".venv-vllm"  # where `make install` puts vLLM's environment
 
@@ -48,7 +49,7 @@ def engine_python(cfg: Config, env_dir: str = ENV_DIR, module: str = "vllm") -> 
         if not Path(cfg.engine.python).is_file():
             raise RuntimeError(f"engine.python: {cfg.engine.python!r} does not exist")
         return cfg.engine.python
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+    for root in (Path.cwd(), Path(vllm_ext.__file__).resolve().parents[3]):  # here, or the checkout's root
         if (root / env_dir / "bin" / "python").is_file():
             return str(root / env_dir / "bin" / "python")
     raise RuntimeError(f"engine.backend={module}: no {module} environment found ({env_dir}/ here or beside the "
