@@ -15,8 +15,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from async_rl.config.components import ConfigError
+from async_rl.config.run import Config
 from async_rl.config.secrets import REDACTED
-from async_rl.config.sections import Config, ConfigError
 from async_rl.config.validate import validate
 
 

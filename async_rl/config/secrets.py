@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from async_rl.config.sections import ConfigError
+from async_rl.config.components import ConfigError
 
 
 # Files of transport.curve_keys_dir each side needs (the layout `async-rl keys` writes).

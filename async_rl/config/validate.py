@@ -6,8 +6,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from async_rl.config.components import ConfigError
+from async_rl.config.run import Config
 from async_rl.config.secrets import CURVE_KEY_FILES, missing_curve_files
-from async_rl.config.sections import Config, ConfigError
 
 
 def _check_curve_keys(keys_dir: str) -> None:
