@@ -43,7 +43,8 @@ from async_rl.launch.vllm_server import engine_python
 from tests.e2e.test_run import DEBUG
 
 pytestmark = pytest.mark.timeout(600)  # the first test of a backend waits for its server's start
-CONTEXT = 160  # the tiny model's positions: a prompt over this is refused
+CONTEXT = 512  # the tiny model's positions: a prompt over this is refused; long enough that a server far ahead
+# of a starved client (a loaded machine) is still generating when the client's pause lands
 TOL = 2e-3  # fp32 log-probs of two implementations of the same forward
 
 
@@ -176,8 +177,8 @@ def test_a_weight_update_with_requests_in_flight(served):
             return outs[k]
 
         tasks = [asyncio.create_task(one(k)) for k in range(len(prompts))]
-        while len(outs) < len(prompts) or min(len(o.output_ids) for o in outs.values()) < 2:
-            await asyncio.sleep(0.01)
+        while len(outs) < len(prompts) or not all(o.output_ids for o in outs.values()):
+            await asyncio.sleep(0.005)
         await c.pause_generation()
         assert await c.health()  # answers while paused
         await c.update_weights_from_disk(path, 1)
@@ -189,7 +190,7 @@ def test_a_weight_update_with_requests_in_flight(served):
 
     done, after = run(go())
     interrupted = [o for o in done if set(o.output_versions) == {0, 1}]
-    assert interrupted, "no request was in flight across the update"
+    assert interrupted, f"no request was in flight across the update: versions {[sorted(set(o.output_versions)) for o in done]}"
     for prompt, out in zip(prompts, done):
         assert out.output_versions == sorted(out.output_versions)  # 0s, then 1s
         old, new = trainer_logprobs(served.model, prompt, out.output_ids), trainer_logprobs(new_model, prompt,
