@@ -5,6 +5,7 @@
     python benchmarks/demo.py --runs 5 mode=sync    # overrides go to every run
     python benchmarks/demo.py --seeds 1 2 3 4 trainer.kl_coef=0.05    # one run per seed (seed=N added)
     python benchmarks/demo.py --n-seeds 10 --name demo_seeds           # seeds 0..9: does learning hold?
+    python benchmarks/demo.py --merge demo_a demo_b --name demo_ab        # one report over two sweeps' runs
 
 Each run is the command `make demo` runs (`async-rl run --config configs/smollm2_arith.yaml`),
 in its own run directory, one after the other. Per run: the process's wall time, the wall time
@@ -122,8 +123,16 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="one run per seed, `seed=N` added to its overrides (instead of --runs repeats)")
     ap.add_argument("--n-seeds", type=int, default=0, help="one run per seed 0..N-1 (as --seeds 0 1 ... N-1)")
+    ap.add_argument("--merge", nargs="+", metavar="NAME", default=None,
+                    help="run nothing: one report over the runs of these results files (sweeps of one config "
+                         "run in parts); give the parts' overrides, which label it")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = ap.parse_args()
+    if args.merge:
+        runs = [r for part in args.merge
+                for r in json.loads((ROOT / "benchmarks" / "results" / f"{part}.json").read_text())["runs"]]
+        print(report(args.name or "demo", runs, args.overrides, seeds=[r.get("seed") for r in runs]).read_text())
+        return
     env = AVX2 if args.avx2 else {}
     name = args.name or ("demo_avx2" if args.avx2 else "demo")
     seeds = args.seeds or (list(range(args.n_seeds)) if args.n_seeds else None)

@@ -98,9 +98,17 @@ def trl_worker(out: Path, steps: int, eval_size: int, settings: dict, seed: int 
     held_out = task.eval_samples()
     dataset = Dataset.from_list([{"prompt": s.messages, "sample_id": s.id} for s in train])
 
-    def reward(prompts, completions, sample_id, **_):
-        return [task.reward(by_id[i], c[0]["content"] if isinstance(c, list) else c)
-                for i, c in zip(sample_id, completions)]
+    cut_pays = cfg.rollout.truncated_reward  # async_rl's rollout.truncated_reward, the same rule on TRL's side
+
+    def cut(ids) -> bool:  # ran to max_completion_length without an end-of-sequence token
+        return len(ids) >= cfg.rollout.max_new_tokens and tokenizer.eos_token_id not in list(ids)
+
+    def reward(prompts, completions, sample_id, completion_ids=None, **_):
+        scores = [task.reward(by_id[i], c[0]["content"] if isinstance(c, list) else c)
+                  for i, c in zip(sample_id, completions)]
+        if cut_pays is None or completion_ids is None:
+            return scores
+        return [cut_pays if cut(ids) else r for r, ids in zip(scores, completion_ids)]
 
     def accuracy() -> float:
         model.eval()
