@@ -153,12 +153,12 @@ async def _start_servers(cfg: Config, slots: list[GpuSlot], procs: list[Any]) ->
     spawned, and a cancelled start (SIGTERM) stops them all before this returns."""
     starting = Starting()
     try:
-        _, urls = await asyncio.to_thread(start_servers, cfg, slots, starting)
+        started, urls = await asyncio.to_thread(start_servers, cfg, slots, starting)
     except BaseException:
         starting.abandon()
+        procs.extend(p for p in starting.procs if p not in procs)  # in spawn order: only stopped from here
         raise
-    finally:
-        procs.extend(p for p in starting.procs if p not in procs)
+    procs.extend(started)  # server i's process at i, beside urls[i]: the keeper and the pool pair them by index
     return urls
 
 

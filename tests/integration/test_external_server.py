@@ -99,3 +99,35 @@ def test_a_server_that_exits_is_one_error_naming_it_and_the_end_of_its_log(tmp_p
                      timeout_s=600)
     assert proc.exitcode == 2 and "exited with code 3" in child_error(cfg, proc.name, proc)
     stop_all([proc])
+
+
+def test_each_server_process_stays_beside_its_url_whatever_order_they_spawn_in(tmp_path, monkeypatch):
+    """The rollout side pairs server i's process with urls[i] (the keeper restarts, the pool fences by index).
+    Servers start at once, so on a loaded machine server 1 can spawn before server 0: the processes handed
+    back must still be in index order (spawn order swapped them, and a fresh-clone make test under load saw
+    the keeper blame the live server for the killed one's death)."""
+    import asyncio
+    import json
+    import multiprocessing
+
+    from async_rl.launch import rollout_proc, servers
+    from async_rl.placement import GpuSlot
+
+    def launch(cfg, index, env, starting):
+        if index == 0:
+            starting.sleep(1.0)  # server 1 spawns first
+        proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), name=f"server{index}")
+        proc.start()
+        return starting.track(proc), f"http://127.0.0.1:{9000 + index}"
+
+    monkeypatch.setitem(servers.SERVER_LAUNCHERS, "embedded", launch)
+    cfg = load_config(DEBUG, [f"run_dir={tmp_path}", "rollout.num_servers=2"])
+    procs: list = []
+    try:
+        urls = asyncio.run(rollout_proc._start_servers(cfg, [GpuSlot(visible=None, device="cpu")] * 2, procs))
+        assert urls == ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+        assert [p.name for p in procs] == ["server0", "server1"]
+        listing = json.loads((tmp_path / "servers.json").read_text())
+        assert [(e["url"], e["pid"]) for e in listing] == [(u, p.pid) for u, p in zip(urls, procs)]
+    finally:
+        stop_all(procs)
