@@ -95,6 +95,7 @@ def test_a_rollout_side_that_joins_a_trainer_still_loading_its_checkpoint_waits_
         _wait_for(lambda: len(_sup_rows(tmp_path / "metrics.jsonl")) >= 3
                   and (tmp_path / "checkpoints" / "step_000002" / "meta.json").is_file(), proc, why="3 steps")
         pid = _pid(tmp_path, "trainer")
+        trained = max(r["policy_version"] for r in _sup_rows(tmp_path / "metrics.jsonl"))  # at least, by the kill
         os.kill(pid, signal.SIGKILL)
         _wait_for(lambda: not running(pid), proc, why="the trainer gone")
         _finish(proc, timeout=400)
@@ -112,4 +113,6 @@ def test_a_rollout_side_that_joins_a_trainer_still_loading_its_checkpoint_waits_
     evals = [json.loads(line)["when"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert evals[0] == "before" and evals[-1] == "after", evals  # the first side's "before" kept
     audited = audit([tmp_path])
-    assert audited.ok and audited.rolled_back > 0, audited.lines()  # step(s) redone, none trained twice
+    # none trained twice; a step the killed trainer trained past its checkpoint was redone, and its trajectories
+    # were rolled back (the kill can also come right after a checkpoint: then there is nothing to roll back)
+    assert audited.ok and (audited.rolled_back > 0 or trained <= resumed), audited.lines()
