@@ -96,6 +96,35 @@ async def wait_progress(client, pool, server, tokens, timeout_s=30.0):
         await asyncio.sleep(0)
 
 
+async def freeze_mid_request(client, pool, server, proc, prompts, tok, tries=3, quiet_s=0.3):
+    """Start `prompts`, then SIGSTOP `proc` once a request on `server` has 3 tokens; return the tasks.
+
+    What the test needs is a request the frozen server had not finished. The client sees tokens only
+    as it reads its streams: a starved client (a loaded machine) can see the third token after the
+    server has written every token into the socket. So after the freeze the client drains what the
+    server had sent, and if every request on it then finishes, the server is let go and the round is
+    run again (at most `tries`). Caught: requests on the server stay unfinished with no token arriving
+    for `quiet_s` and 20 loop turns."""
+    for _ in range(tries):
+        tasks = [asyncio.ensure_future(client.generate(prompt_ids(tok, p), GREEDY)) for p in prompts]
+        await wait_progress(client, pool, server, 3)
+        os.kill(proc.pid, signal.SIGSTOP)
+        last, since, turns = None, time.monotonic(), 0
+        while True:
+            now = sorted((rid, n) for rid, (srv, n) in client.running().items() if srv is server)
+            if not now:
+                break  # everything on it came out of the socket: not caught
+            if now != last:
+                last, since, turns = now, time.monotonic(), 0
+            elif time.monotonic() - since >= quiet_s and turns >= 20:  # turns: a descheduled client read nothing
+                return tasks
+            turns += 1
+            await asyncio.sleep(0.01)
+        os.kill(proc.pid, signal.SIGCONT)
+        await asyncio.gather(*tasks)
+    raise AssertionError(f"the frozen server had finished every request in each of {tries} rounds")
+
+
 def test_two_servers_share_the_load(servers, reference):
     async def body(pool):
         client = PooledGenerationClient(pool)
@@ -136,9 +165,7 @@ def test_server_missing_the_deadline_is_fenced_and_its_requests_move(servers, re
     async def body(pool):
         client = PooledGenerationClient(pool)
         b = pool.servers[1]
-        tasks = [asyncio.ensure_future(client.generate(prompt_ids(servers.tok, p), GREEDY)) for p in PROMPTS]
-        await wait_progress(client, pool, b, 3)
-        os.kill(frozen.pid, signal.SIGSTOP)  # tokens so far on b are whatever its stream delivered
+        tasks = await freeze_mid_request(client, pool, b, frozen, PROMPTS, servers.tok)
         t0 = time.monotonic()
         stats = await update_servers(pool, DiskWeightReceiver(), {"version": 1, "path": servers.weights}, 3.0)
         took, why = time.monotonic() - t0, pool.servers[1].reason
@@ -183,9 +210,8 @@ def test_killed_server_leaves_rotation_and_its_requests_finish_elsewhere(servers
 
     async def body(pool):
         client = PooledGenerationClient(pool)
-        tasks = [asyncio.ensure_future(client.generate(prompt_ids(servers.tok, p), GREEDY)) for p in PROMPTS]
-        await wait_progress(client, pool, pool.servers[1], 3)
-        os.kill(victim.pid, signal.SIGKILL)
+        tasks = await freeze_mid_request(client, pool, pool.servers[1], victim, PROMPTS, servers.tok)
+        os.kill(victim.pid, signal.SIGKILL)  # killed while frozen mid-request
         outs = await asyncio.gather(*tasks)
         gone = pool.stats()
         await pool.check_health()
