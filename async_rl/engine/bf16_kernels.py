@@ -30,11 +30,10 @@ engine uses is `engine.cpu_kernels` (`auto`: these for bf16 on an AVX-512 CPU wh
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
-from async_rl.engine.kernel_build import load_library, require
+from async_rl.engine.kernel_build import KernelLibrary
 from async_rl.utils.hardware import cpu_flags
 
 # Work under these sizes runs on one thread (a parallel region costs more than it saves)
@@ -304,30 +303,25 @@ def _cpu_has_avx512() -> bool:
                                                                        "avx512dq"} <= cpu_flags()
 
 
-@functools.lru_cache(maxsize=None)
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """(the library, "") or (None, why not)."""
+def _signatures() -> dict[str, list]:
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    signatures = {
+    return {
         "add_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, i32, i32, f32, i32],
         "rotary": [ptr, i64, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, i32, i32],
         "silu_mul": [ptr, i64, ptr, i32, i32, i32],
         "slab_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr] + [i32] * 5 + [f32, i32],
         "sample_rows": [ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32],
     }
-    missing = None if _cpu_has_avx512() else \
+
+
+def _missing() -> str | None:
+    return None if _cpu_has_avx512() else \
         f"the CPU lacks AVX-512 F/BW/VL/DQ (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    return load_library(SOURCE, FLAGS, "bf16_kernels", signatures, missing)
 
 
-def available() -> tuple[bool, str]:
-    """Whether the kernels run here, and if not, why."""
-    lib, why = _load()
-    return lib is not None, why
-
-
-def _lib() -> ctypes.CDLL:
-    return require(*_load(), "the bf16 kernels")
+KERNELS = KernelLibrary(SOURCE, FLAGS, "bf16_kernels", "the bf16 kernels", _signatures, _missing)
+_load, _lib = KERNELS.load, KERNELS.lib
+available = KERNELS.available  # whether the kernels run here, and if not, why
 
 
 def _threads(elements: int, floor: int = PARALLEL_MIN_ELEMENTS) -> int:

@@ -28,7 +28,6 @@ kernels of async_rl/engine/bf16_kernels.py (AVX-512) for bf16.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from async_rl.engine import bf16_kernels
-from async_rl.engine.kernel_build import load_library, require
+from async_rl.engine.kernel_build import KernelLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -204,26 +203,20 @@ def _cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-@functools.lru_cache(maxsize=None)
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """(the library, "") or (None, why not)."""
+def _signatures() -> dict[str, list]:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    signatures = {"sgemm_xwt": [ptr] * 4 + [i32] * 4,
-                  "slab_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr] + [i32] * 5
-                  + [ctypes.c_float, i32]}
-    missing = None if _cpu_has_avx2() else \
-        f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    return load_library(SOURCE, FLAGS, "cpu_kernels", signatures, missing)
+    return {"sgemm_xwt": [ptr] * 4 + [i32] * 4,
+            "slab_attention": [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr] + [i32] * 5
+            + [ctypes.c_float, i32]}
 
 
-def available() -> tuple[bool, str]:
-    """Whether the compiled kernels run here, and if not, why."""
-    lib, why = _load()
-    return lib is not None, why
+def _missing() -> str | None:
+    return None if _cpu_has_avx2() else f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
 
 
-def _lib() -> ctypes.CDLL:
-    return require(*_load(), "the compiled kernels")
+KERNELS = KernelLibrary(SOURCE, FLAGS, "cpu_kernels", "the compiled kernels", _signatures, _missing)
+_load, _lib = KERNELS.load, KERNELS.lib
+available = KERNELS.available  # whether the compiled kernels run here, and if not, why
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,6 +3,8 @@
     path = build_library(SOURCE, ["-O3", "-mavx2", ...], "cpu_kernels")   # RuntimeError naming what failed
     lib, why = load_library(SOURCE, FLAGS, "cpu_kernels", {"fn": [c_void_p, c_int]}, missing=None)
     lib = require(lib, why, "the compiled kernels")                          # RuntimeError naming why not
+    KERNELS = KernelLibrary(SOURCE, FLAGS, "cpu_kernels", "the compiled kernels", signatures, missing)
+    KERNELS.available(); KERNELS.lib()                                       # the same, loaded once
 
 Built with the machine's C compiler (`$CC`, else `cc`: about a second) into `$ASYNC_RL_KERNEL_DIR` (default
 ~/.cache/async_rl/kernels), keyed by a hash of the source, flags and compiler, atomically (concurrent builders
@@ -12,11 +14,13 @@ race harmlessly). Used by `cpu_kernels` (fp32, AVX2) and `bf16_kernels` (bf16, A
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -65,3 +69,25 @@ def require(lib: ctypes.CDLL | None, why: str, what: str) -> ctypes.CDLL:
         raise RuntimeError(f"engine.cpu_kernels: {what} are not available: {why}")
     return lib
 
+
+
+class KernelLibrary:
+    """One compiled library, built and loaded at its first use (once): `available()` says whether it runs here
+    and why not, `lib()` is the library or a RuntimeError naming why not. `signatures()` gives each function's
+    argument types, `missing()` what the CPU lacks (None: nothing); `load.cache_clear()` loads it again."""
+
+    def __init__(self, source: str, flags: list[str], stem: str, what: str,
+                 signatures: Callable[[], dict[str, list]], missing: Callable[[], str | None]):
+        self.source, self.flags, self.stem, self.what = source, flags, stem, what
+        self._signatures, self._missing = signatures, missing
+        self.load = functools.lru_cache(maxsize=None)(self._load)
+
+    def _load(self) -> tuple[ctypes.CDLL | None, str]:
+        return load_library(self.source, self.flags, self.stem, self._signatures(), self._missing())
+
+    def available(self) -> tuple[bool, str]:
+        lib, why = self.load()
+        return lib is not None, why
+
+    def lib(self) -> ctypes.CDLL:
+        return require(*self.load(), self.what)
