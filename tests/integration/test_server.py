@@ -93,9 +93,13 @@ def test_pause_update_continue_with_requests_in_flight(srv, tmp_path):
 
     async def scenario():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60, trust_env=False) as c:
-            steps0 = (await c.get("/metrics")).json()["engine/steps_total"]
             tasks = [asyncio.create_task(c.post("/generate", json={"input_ids": p, "sampling_params": params,
                                                                     "return_logprob": True})) for p in prompts]
+            # every request running, then 10 steps: each has tokens of the first version (a loaded client sends
+            # its requests late, and one that arrived after the first 10 steps had none before the pause)
+            while (m := (await c.get("/metrics")).json())["engine/running"] < len(prompts):
+                await asyncio.sleep(0.005)
+            steps0 = m["engine/steps_total"]
             while (await c.get("/metrics")).json()["engine/steps_total"] < steps0 + 10:
                 await asyncio.sleep(0.005)
             assert (await c.post("/pause_generation")).status_code == 200
