@@ -1,5 +1,5 @@
 """Shared test set-up: `@pytest.mark.gpu` tests are skipped where no CUDA device is present;
-`--no-staleness-gate` runs the end-to-end staleness checks with the gate off (they must fail)."""
+`@pytest.mark.first` files are collected first; `--no-staleness-gate` runs the end-to-end staleness checks with the gate off (they must fail)."""
 
 import pytest
 import torch
@@ -19,6 +19,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # longest first: with `-n 2 --dist loadfile` a worker that picks the longest file last ends the run alone
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none here)")

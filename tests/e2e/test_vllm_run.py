@@ -24,6 +24,7 @@ STEPS = 3
 ETA = 12
 
 
+@pytest.mark.first  # the longest test of make test (~3 min)
 @pytest.mark.timeout(900)  # a vLLM server's start on 2 loaded cores takes minutes
 def test_the_smollm2_demo_on_a_real_vllm_server_updates_in_flight_learns_and_audits_clean(tmp_path):
     overrides = [f"run_dir={tmp_path}", "engine.backend=vllm", f"total_steps={STEPS}", f"max_staleness={ETA}",
