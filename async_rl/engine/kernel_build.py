@@ -70,7 +70,6 @@ def require(lib: ctypes.CDLL | None, why: str, what: str) -> ctypes.CDLL:
     return lib
 
 
-
 class KernelLibrary:
     """One compiled library, built and loaded at its first use (once): `available()` says whether it runs here
     and why not, `lib()` is the library or a RuntimeError naming why not. `signatures()` gives each function's
